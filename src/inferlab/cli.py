@@ -1,0 +1,57 @@
+"""The `inferlab` command. Each subcommand lives beside the code it drives and is imported only when used,
+so `inferlab bench` starts without loading torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). The module defines add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("inferlab.engine.demo", "answer a few chat prompts offline on the bundled model, with a throughput line"),
+    "generate": ("inferlab.engine.demo_generate", "generate completions offline for prompts given on the command line"),
+    "serve": ("inferlab.server.cli", "start the OpenAI-compatible streaming server"),
+    "bench": ("inferlab.bench.cli", "load-test any OpenAI-compatible server and report latency percentiles"),
+    "fake-server": ("inferlab.bench.fake_server_cli", "a deterministic OpenAI-compatible server with known timings"),
+    "compare": ("inferlab.bench.compare", "show two bench result files side by side with deltas"),
+    "eval": ("inferlab.lab.eval_cli", "quality evaluation: perplexity, task accuracy, greedy agreement"),
+    "fit": ("inferlab.lab.fit_cli", "memory fit and roofline estimates for a model on a hardware preset"),
+    "experiment": ("inferlab.lab.experiment_cli", "one-variable-at-a-time experiments from a workload card"),
+    "diagnose": ("inferlab.lab.diagnose_cli", "hypotheses about bottlenecks from bench results"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    from inferlab import __version__
+
+    p = argparse.ArgumentParser(prog="inferlab", description="LLM inference engineering: serve, measure, decide.")
+    p.add_argument("--version", action="version", version=f"inferlab {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        parser = _top_parser()
+        if not argv:
+            parser.print_help()
+            return 2
+        parser.parse_args(argv)  # --help / --version / an unknown command: argparse prints and exits
+        return 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"inferlab {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""What the engine hands back: a delta per request per step (streaming), and the finished result (offline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Monotonic timestamps (time.perf_counter seconds) of one request's life in the engine."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per output token, in order
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's progress in one engine step: the tokens and text produced since the last delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string or token id that ended it, if any
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics | None = None  # set on the finishing delta
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """A finished request, as the offline `LLM.generate` returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and monotonically increasing counters (for /metrics and the lab)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # used blocks / total blocks, 0..1 (cached-but-free blocks count as free)
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    kv_cache_bytes: int = 0
+    weight_bytes: int = 0
+    num_preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens found cached
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_pos_total: list[int] = field(default_factory=list)
+    num_steps_total: int = 0
+    step_time_seconds_total: float = 0.0
