@@ -1,0 +1,5 @@
+import sys
+
+from inferlab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""Architecture hyper-parameters of a decoder, read from a GGUF header or a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferlab.engine.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str = ""
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.num_heads * self.head_dim * 2 + h * self.num_kv_heads * self.head_dim * 2
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    if model is None:
+        from inferlab.models.bundled import bundled_model_path
+
+        return bundled_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (give a GGUF file or a Hugging Face folder)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(f"{str(path)!r} is a folder without config.json (a Hugging Face model folder needs one)")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"{str(path)!r} is not a .gguf file; give a GGUF file or a Hugging Face folder")
+    return path
+
+
+def read_model_config(model: str | Path | None) -> ModelConfig:
+    path = resolve_model_path(model)
+    return _from_gguf(path) if path.is_file() else _from_hf(path)
+
+
+def _check_arch(arch: str, path: Path) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path.name}: architecture {arch!r} is not supported (inferlab implements: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+
+def gguf_metadata(path: Path) -> dict:
+    """Scalar and string fields of a GGUF header (arrays such as the vocabulary are left out)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the gguf reader raises bare ValueError/struct errors on garbage
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+    meta: dict = {}
+    for key, f in reader.fields.items():
+        if not f.types or f.types[0] == GGUFValueType.ARRAY:
+            continue
+        part = f.parts[f.data[0]]
+        meta[key] = bytes(part).decode("utf-8", "replace") if f.types[0] == GGUFValueType.STRING else part.tolist()[0]
+    meta["_tensor_names"] = [t.name for t in reader.tensors]
+    vocab = reader.fields.get("tokenizer.ggml.tokens")
+    meta["_vocab_size"] = len(vocab.data) if vocab is not None else None
+    return meta
+
+
+def _from_gguf(path: Path) -> ModelConfig:
+    meta = gguf_metadata(path)
+    arch = meta.get("general.architecture", "?")
+    _check_arch(arch, path)
+
+    def g(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden, heads = g("embedding_length"), g("attention.head_count")
+    vocab = g("vocab_size") or meta["_vocab_size"]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=g("feed_forward_length"),
+        num_layers=g("block_count"),
+        num_heads=heads,
+        num_kv_heads=g("attention.head_count_kv", heads),
+        head_dim=g("attention.key_length", hidden // heads),
+        max_position_embeddings=g("context_length", 2048),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in meta["_tensor_names"],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        name=meta.get("general.name", path.stem),
+    )
+
+
+def _from_hf(path: Path) -> ModelConfig:
+    cfg = json.loads((path / "config.json").read_text())
+    model_type = cfg.get("model_type", "?")
+    _check_arch(model_type, path)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    return ModelConfig(
+        architecture=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        name=path.name,
+    )
