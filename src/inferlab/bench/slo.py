@@ -1,0 +1,125 @@
+"""Service-level objectives: goodput's per-request test, the CLI's exit-code gate, and `assert_slo` for pytest.
+
+    from inferlab.bench import assert_slo
+    assert_slo("bench-results/run/results.json", ttft_p99="500ms", tpot_p99="50ms")
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from inferlab.bench import metrics
+from inferlab.bench.records import RequestRecord
+
+# Objectives a single request can meet or miss (goodput, as in DistServe and vLLM's --goodput).
+REQUEST_SLOS = ("ttft", "tpot", "e2e")
+STATS = ("mean", "p50", "p90", "p95", "p99", "max")
+_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0}
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zµ]+)\s*$")
+
+
+class SLOError(ValueError):
+    """A badly written objective."""
+
+
+def parse_duration(text: str | float | int) -> float:
+    """'500ms', '0.5s', '50us', '2m' -> seconds. Numbers are taken as seconds; strings need a unit."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _DURATION.match(str(text))
+    if not m or m.group(2) not in _UNITS:
+        raise SLOError(f"cannot read {text!r} as a duration: write a number with a unit, e.g. 500ms, 0.5s, 50us")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_slos(items: list[str] | None) -> dict[str, float]:
+    """['ttft=500ms', 'tpot=50ms'] -> {'ttft': 0.5, 'tpot': 0.05}."""
+    out: dict[str, float] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        name = name.strip().lower()
+        if not sep:
+            raise SLOError(f"--slo {item!r}: write METRIC=DURATION, e.g. ttft=500ms")
+        if name not in REQUEST_SLOS:
+            raise SLOError(f"--slo {item!r}: unknown metric {name!r}; choose from {', '.join(REQUEST_SLOS)}")
+        out[name] = parse_duration(value)
+    return out
+
+
+def parse_percentile(text: str) -> str:
+    p = text.strip().lower()
+    if not p.startswith("p"):
+        p = "p" + p
+    if p not in STATS[1:-1] and p != "max":
+        raise SLOError(f"--slo-percentile {text!r}: choose p50, p90, p95, p99 or max")
+    return p
+
+
+def meets(r: RequestRecord, slos: dict[str, float]) -> bool:
+    """A request is good when it succeeded and meets every objective. A one-token answer has no TPOT and
+    meets a TPOT objective vacuously."""
+    if not r.ok:
+        return False
+    for name, limit in slos.items():
+        v = metrics.PER_REQUEST[name](r)
+        if v is None:
+            if name == "tpot":
+                continue
+            return False
+        if v > limit:
+            return False
+    return True
+
+
+def gate(run: dict, slos: dict[str, float], percentile: str = "p99") -> list[str]:
+    """The objectives a run summary misses at `percentile`, as messages; empty = passed."""
+    misses = []
+    for name, limit in slos.items():
+        value = run["latency"][name].get(percentile)
+        if value is None:
+            misses.append(f"{name} {percentile}: no successful samples (limit {limit * 1e3:.1f} ms)")
+        elif value > limit:
+            misses.append(f"{name} {percentile} = {value * 1e3:.1f} ms > {limit * 1e3:.1f} ms")
+    return misses
+
+
+def _load(results: dict | str | Path) -> dict:
+    if isinstance(results, (str, Path)):
+        return json.loads(Path(results).read_text(encoding="utf-8"))
+    return results
+
+
+def assert_slo(results: dict | str | Path, run: int | None = None, **objectives: str | float) -> None:
+    """Fail (AssertionError) when a bench result misses an objective. Objectives are `<metric>_<stat>=limit`
+    with metric in ttft, ttft_content, tpot, itl, inter_chunk, e2e, e2e_per_output_token, client_delay and stat
+    in mean, p50, p90, p95, p99, max; or `error_rate=0.01` (a fraction, or '1%'). Every run of a sweep is
+    checked unless `run` picks one. `results` is a results.json path or its parsed dict."""
+    data = _load(results)
+    runs = data["runs"] if "runs" in data else [data]
+    if run is not None:
+        runs = [runs[run]]
+    if not objectives:
+        raise SLOError("assert_slo needs at least one objective, e.g. ttft_p99='500ms'")
+    misses = []
+    for i, summary in enumerate(runs):
+        where = f"run {summary.get('load', {}).get('label', i)}"
+        for key, limit in objectives.items():
+            if key == "error_rate":
+                lim = float(str(limit).rstrip("%")) / 100 if str(limit).endswith("%") else float(limit)
+                rate = summary["counts"]["error_rate"]
+                if rate > lim:
+                    misses.append(f"{where}: error_rate {rate:.2%} > {lim:.2%}")
+                continue
+            name, _, stat = key.rpartition("_")
+            if name not in metrics.TIME_METRICS or stat not in STATS:
+                raise SLOError(f"assert_slo: cannot read objective {key!r}; write e.g. ttft_p99='500ms'")
+            lim = parse_duration(limit)
+            value = summary["latency"][name].get(stat)
+            if value is None:
+                misses.append(f"{where}: {key} has no samples")
+            elif value > lim:
+                misses.append(f"{where}: {key} = {value * 1e3:.2f} ms > {lim * 1e3:.2f} ms")
+    if misses:
+        raise AssertionError("SLO missed:\n  " + "\n  ".join(misses))
