@@ -1,0 +1,255 @@
+"""The engine behind the event loop: one thread owns LLMEngine and steps it; each request gets an asyncio queue.
+
+The engine is not thread-safe, so everything that touches it (add, abort, step, stats) runs on its thread. The event
+loop only appends commands to two deques and sets an event; the engine thread drains them between steps, so an abort
+takes effect before the next forward pass. Each step's deltas cross back in one call_soon_threadsafe callback, and a
+token reaches its HTTP handler as soon as the step that produced it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferlab.engine.errors import InvalidRequestError
+from inferlab.engine.outputs import EngineStats, RequestOutput
+from inferlab.engine.sampling_params import SamplingParams
+from inferlab.server.metrics import ServerMetrics
+
+log = logging.getLogger("inferlab.server")
+
+
+class QueueFullError(Exception):
+    """Admission control: the waiting queue is at --max-queue."""
+
+    def __init__(self, num_waiting: int, max_queue: int):
+        super().__init__(f"the server is at capacity: {num_waiting} requests are already waiting "
+                         f"(limit --max-queue {max_queue}); retry shortly")
+        self.num_waiting = num_waiting
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an unexpected exception; the server can no longer generate."""
+
+
+class TimedOut:
+    """Queued into a stream when its --request-timeout expires."""
+
+
+class EngineFailed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+TIMED_OUT = TimedOut()
+StreamItem = RequestOutput | TimedOut | EngineFailed
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """One request's deltas, handed from the engine thread to its HTTP handler."""
+
+    request_id: str
+    max_tokens: int
+    queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
+    num_prompt_tokens: int = 0
+    arrival_time: float = 0.0
+
+    def expire(self) -> None:
+        self.queue.put_nowait(TIMED_OUT)
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int] | list[dict[str, Any]]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None
+    fill_context: bool  # max_tokens unset: generate until the context is full
+    future: asyncio.Future[int]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, max_num_seqs: int, max_queue: int, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.max_num_seqs = max_num_seqs
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.stats = EngineStats()  # as of the end of the engine's last step (event-loop side)
+        self.error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._adds: deque[_Add] = deque()
+        self._aborts: deque[str] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        # Adds submitted that the last published stats do not yet reflect (they may be waiting).
+        self._unseen_adds = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="inferlab-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def num_waiting(self) -> int:
+        """Requests that would wait if scheduled now: the engine's waiting count at its last step, plus
+        submissions since then that do not fit in the running slots left free (none are free while some wait)."""
+        s = self.stats
+        free = self.max_num_seqs - s.num_running if s.num_waiting == 0 else 0
+        return s.num_waiting + max(0, self._unseen_adds - free)
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | list[dict[str, Any]],
+                          params: SamplingParams, cache_salt: str | None = None, fill_context: bool = False,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Raises QueueFullError at once when the queue is full, InvalidRequestError when the engine refuses it."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        waiting = self.num_waiting()
+        if waiting >= self.max_queue:
+            if self.metrics:
+                self.metrics.rejected("queue_full")
+            raise QueueFullError(waiting, self.max_queue)
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        stream = RequestStream(request_id, params.max_tokens, arrival_time=arrival)
+        future: asyncio.Future[int] = self._loop.create_future()
+        self._streams[request_id] = stream
+        self._unseen_adds += 1
+        self._adds.append(_Add(request_id, prompt, params, arrival, cache_salt, fill_context, future))
+        self._wake.set()
+        try:
+            stream.num_prompt_tokens = await future
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the client left while we waited for the engine thread
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request that has not finished; its further deltas are dropped. Idempotent."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self._aborts.append(request_id)
+        self._wake.set()
+        if self.metrics:
+            self.metrics.request_finished("abort", None, stream.num_prompt_tokens, 0, stream.max_tokens)
+
+    def _resolve_adds(self, results: list[tuple[asyncio.Future[int], int | BaseException]]) -> None:
+        for future, result in results:
+            if future.cancelled():
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def _publish(self, outputs: list[RequestOutput], stats: EngineStats, num_added: int) -> None:
+        self.stats = stats
+        self._unseen_adds -= num_added
+        if self.metrics:
+            self.metrics.engine.stats = stats
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted: its handler is gone
+            if out.finished:
+                del streams[out.request_id]
+                if self.metrics:
+                    self.metrics.request_finished(out.finish_reason or "error", out.metrics, out.num_prompt_tokens,
+                                                  out.num_output_tokens, stream.max_tokens)
+            stream.queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        while self._adds:  # the engine thread is gone, so nothing else pops these
+            future = self._adds.popleft().future
+            if not future.done():
+                future.set_exception(EngineDeadError(f"the engine stopped: {error!r}"))
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineFailed(error))
+        self._streams.clear()
+
+    # ------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        loop, engine = self._loop, self.engine
+        assert loop is not None
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                num_added, num_aborted = self._drain()
+                if engine.has_work():
+                    outputs = engine.step()
+                    loop.call_soon_threadsafe(self._publish, outputs, engine.stats(), num_added)
+                    continue
+                if num_added or num_aborted:
+                    loop.call_soon_threadsafe(self._publish, [], engine.stats(), num_added)
+                self._wake.wait()
+        except BaseException as e:  # noqa: BLE001 - a dead engine thread must fail every request, not hang them
+            log.exception("engine thread stopped")
+            self.error = e
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _drain(self) -> tuple[int, int]:
+        engine, adds, aborts = self.engine, self._adds, self._aborts
+        results: list[tuple[asyncio.Future[int], int | BaseException]] = []
+        num_added = 0
+        while adds:
+            a = adds.popleft()
+            num_added += 1
+            try:
+                if a.fill_context:
+                    a.params.max_tokens = self._room_left(a.prompt)
+                results.append((a.future, engine.add_request(a.request_id, a.prompt, a.params,
+                                                             arrival_time=a.arrival_time, cache_salt=a.cache_salt)))
+            except InvalidRequestError as e:
+                results.append((a.future, e))
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine for the others
+                log.exception("add_request(%s) failed", a.request_id)
+                results.append((a.future, e))
+        if results:
+            self._loop.call_soon_threadsafe(self._resolve_adds, results)  # type: ignore[union-attr]
+        num_aborted = 0
+        while aborts:
+            engine.abort(aborts.popleft())
+            num_aborted += 1
+        return num_added, num_aborted
+
+    def _room_left(self, prompt: str | list[int] | list[dict[str, Any]]) -> int:
+        """max_tokens for a request that did not set one: the rest of the context after its prompt."""
+        tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            n = len(tok.encode(prompt, add_special_tokens=False))
+        elif prompt and isinstance(prompt[0], dict):
+            n = len(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
+        else:
+            n = len(prompt)
+        room = self.engine.max_model_len - n
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt is {n} tokens, which leaves no room to generate in this model's context of "
+                f"{self.engine.max_model_len} tokens", "messages")
+        return room

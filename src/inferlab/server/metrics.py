@@ -1,0 +1,177 @@
+"""Prometheus metrics under vLLM v1's names and labels, so existing vLLM dashboards work unchanged.
+
+Gauges and engine counters are read from the latest EngineStats snapshot at scrape time (a custom collector), so
+the engine loop never touches Prometheus. Per-request histograms are observed when a request finishes, from the
+engine's own timestamps. What vLLM lacks carries the `inferlab:` prefix.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inferlab.engine.outputs import EngineStats, RequestMetrics
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py); ITL and TTFT get a few finer ones below 10 ms for small models.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0]
+_QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1] + _REQUEST_BUCKETS
+
+LABELS = ["model_name", "engine"]
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        disable_created_metrics()  # as vLLM: no `_created` series beside every counter and histogram
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.labels = {"model_name": model_name, "engine": "0"}
+        lv = (model_name, "0")
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: list[float]):
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _REQUEST_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          _QUEUE_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", _REQUEST_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                            _REQUEST_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                           _REQUEST_BUCKETS)
+        self.prompt_len = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.", _pow125(1 << 20))
+        self.gen_len = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", _pow125(1 << 20))
+        self.param_max_tokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                     _pow125(1 << 20))
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                LABELS + ["finished_reason"], registry=r)
+        self._success_by_reason = {
+            reason: self._success.labels(*lv, reason) for reason in ("stop", "length", "abort", "error")
+        }
+        self._rejected = Counter("inferlab:requests_rejected", "Requests refused before reaching the engine.",
+                                 LABELS + ["reason"], registry=r)
+        self._rejected_by_reason = {reason: self._rejected.labels(*lv, reason) for reason in ("queue_full",)}
+        self.timeouts = Counter("inferlab:request_timeouts", "Requests aborted by --request-timeout.", LABELS,
+                                registry=r).labels(*lv)
+        self.engine = _EngineCollector(self.labels)
+        r.register(self.engine)
+
+    def request_finished(self, finish_reason: str, m: RequestMetrics | None, num_prompt: int, num_output: int,
+                         max_tokens: int) -> None:
+        self._success_by_reason.get(finish_reason, self._success_by_reason["error"]).inc()
+        self.prompt_len.observe(num_prompt)
+        self.gen_len.observe(num_output)
+        self.param_max_tokens.observe(max_tokens)
+        if m is None:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        t = m.token_times
+        # Once per request, not per step: the engine keeps the timestamps, so the hot loop stays untouched.
+        for a, b in zip(t, t[1:]):
+            self.itl.observe(b - a)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.inference.observe(m.finished_time - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.decode.observe(m.finished_time - m.first_token_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected_by_reason[reason].inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's last published EngineStats at scrape time."""
+
+    def __init__(self, labels: dict[str, str]):
+        self.labels = labels
+        self.stats = EngineStats()
+        self.extra_gauges: dict[str, float] = {}  # set by the server: queue depth, in flight
+
+    def collect(self) -> Iterator[Metric]:
+        s, names, values = self.stats, list(self.labels), list(self.labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions_total)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s.prefix_cache_queries_total)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s.prefix_cache_hits_total)
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts_total)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens_total)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                      s.spec_num_accepted_tokens_total)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=names + ["position"])
+        for pos, n in enumerate(s.spec_accepted_per_pos_total):
+            per_pos.add_metric(values + [str(pos)], n)
+        yield per_pos
+        yield gauge("inferlab:num_kv_blocks", "KV blocks in the pool.", s.num_kv_blocks)
+        yield gauge("inferlab:num_free_kv_blocks", "KV blocks free (cached-but-unreferenced count as free).",
+                    s.num_free_kv_blocks)
+        yield gauge("inferlab:kv_cache_bytes", "Bytes of the KV pool.", s.kv_cache_bytes)
+        yield gauge("inferlab:weight_bytes", "Bytes of model weights as loaded.", s.weight_bytes)
+        yield gauge("inferlab:peak_rss_bytes", "Peak resident set size of the server process.", _peak_rss_bytes())
+        yield counter("inferlab:engine_steps", "Engine steps run.", s.num_steps_total)
+        yield counter("inferlab:engine_step_seconds", "Seconds spent inside engine.step().", s.step_time_seconds_total)
+        for name, value in self.extra_gauges.items():
+            yield gauge(name, _EXTRA_DOCS.get(name, name), value)
+
+
+_EXTRA_DOCS = {
+    "inferlab:num_requests_in_flight": "Requests accepted by the server and not yet finished.",
+    "inferlab:max_queue": "The bound on waiting requests (--max-queue); beyond it requests get 429.",
+}
+
+
+def _peak_rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _pow125(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to limit: vLLM's build_1_2_5_buckets."""
+    out, mag = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * mag > limit:
+                return out
+            out.append(float(m * mag))
+        mag *= 10

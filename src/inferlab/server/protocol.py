@@ -1,0 +1,274 @@
+"""The OpenAI API as vLLM serves it: request and response models, and the error object.
+
+Requests accept unknown fields and ignore them (vLLM's behaviour: clients send extras such as `user`), but a known
+OpenAI parameter that we do not implement is refused with a 400 naming it when set to anything but its default,
+so that nobody silently gets a different sampling than they asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from inferlab.engine.errors import InvalidRequestError
+from inferlab.engine.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP status and OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
+
+
+# ---------------------------------------------------------------- requests
+
+_Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+_TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints: OpenAI's and vLLM's sampling extensions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(None, description="The served model id; omitted means the one model this server serves.")
+    temperature: _Temperature | None = None
+    top_p: _TopP | None = None
+    top_k: int | None = Field(None, ge=-1, description="vLLM extension: -1 or 0 disables the top-k cut.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM extension.")
+    ignore_eos: bool = Field(False, description="vLLM extension: generate max_tokens tokens even past end-of-sequence.")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, description="Only 1 is supported.")
+    cache_salt: str | None = Field(None, description="vLLM extension: requests share cached prefixes only with the same salt.")
+    # Known OpenAI parameters we refuse unless left at their defaults (see _check_unsupported).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+    def _check_unsupported(self, extra: dict[str, Any]) -> None:
+        if self.n != 1:
+            raise invalid(f"n={self.n} is not supported: this server returns exactly one choice per request (n=1)", "n")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise invalid(f"{name} is not supported by this server; omit it or set it to 0", name)
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported by this server", "logit_bias")
+        if self.logprobs not in (None, False, 0):
+            raise invalid("logprobs is not supported by this server", "logprobs")
+        for name, value in extra.items():
+            if name in _UNSUPPORTED_IF_SET and value not in _UNSUPPORTED_IF_SET[name]:
+                raise invalid(f"{name} is not supported by this server", name)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                seed=self.seed,
+                max_tokens=max_tokens if max_tokens is not None else 16,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except InvalidRequestError as e:
+            raise invalid(str(e), e.param) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# Extra fields (not declared above) that we accept only at these "off" values.
+_UNSUPPORTED_IF_SET: dict[str, tuple] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "top_logprobs": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "prompt_logprobs": (None, 0),
+    "use_beam_search": (None, False),
+    "min_tokens": (None, 0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+}
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]] = Field(
+        ..., description="A string or a list of token ids. A batch of several prompts is not supported.")
+    max_tokens: int | None = Field(16, ge=1)
+
+    def check(self) -> str | list[int]:
+        """Unsupported options -> 400; returns the single prompt."""
+        self._check_unsupported(self.model_extra or {})
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise invalid("prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return p  # type: ignore[return-value]
+        if len(p) != 1:
+            raise invalid(f"a batch of {len(p)} prompts is not supported: send one prompt per request", "prompt")
+        one = p[0]
+        if isinstance(one, list) and not one:
+            raise invalid("prompt must not be empty", "prompt")
+        return one  # type: ignore[return-value]
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.name is not None:
+            m["name"] = self.name
+        return m
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def check(self) -> list[dict]:
+        self._check_unsupported(self.model_extra or {})
+        return [m.to_template() for m in self.messages]
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        # None: until the context is full (OpenAI's and vLLM's default for chat).
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "inferlab"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
