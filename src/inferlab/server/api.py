@@ -61,7 +61,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
         # Union branches appear in loc as type names ('str', 'list[constrained-int]'): keep the field path only.
         loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _is_type_tag(x)]
-        by_field.setdefault(".".join(loc), []).append(e)
+        # A union-typed top-level field gets one message, whichever branch pydantic tried last.
+        key = loc[0] if loc and loc[0] in ("prompt", "stop") else ".".join(loc)
+        by_field.setdefault(key, []).append(e)
     parts: list[str] = []
     for where, errs in by_field.items():
         e = errs[0]
