@@ -17,17 +17,18 @@ class UnitError(ValueError):
 def _bare_number(value) -> bool:
     if isinstance(value, bool):
         return False
-    return isinstance(value, (int, float)) or re.fullmatch(_NUM, str(value).strip()) is not None
+    return isinstance(value, (int, float)) or re.fullmatch(r"[-+]?" + _NUM, str(value).strip()) is not None
 
 
 def parse_duration(value: str | int | float, what: str = "duration") -> float:
     """'500ms' -> 0.5 (seconds). A bare number is refused: '500' could be ms or s, and a wrong guess is silent."""
     if _bare_number(value):
         raise UnitError(f"{what}: {value!r} has no unit; write e.g. '{value}ms' or '{value}s'")
-    m = re.fullmatch(_NUM + r"\s*([a-zµ]+)", str(value).strip().lower())
+    m = re.fullmatch(r"([-+]?)" + _NUM + r"\s*([a-zµ]+)", str(value).strip().lower())
     if not m:
         raise UnitError(f"{what}: cannot read {value!r} as a duration; write e.g. '500ms', '2s' or '1.5min'")
-    num, unit = m.groups()
+    sign, num, unit = m.groups()
+    num = sign + num
     if unit not in _TIME:
         raise UnitError(f"{what}: unknown time unit {unit!r} in {value!r} (use us, ms, s or min)")
     return float(num) * _TIME[unit]
