@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +72,22 @@ def _check_arch(arch: str, path: Path) -> None:
         )
 
 
-def gguf_metadata(path: Path) -> dict:
-    """Scalar and string fields of a GGUF header (arrays such as the vocabulary are left out)."""
-    from gguf import GGUFReader, GGUFValueType
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: Path):
+    """Parsing a GGUF header (its vocabulary) takes seconds: read each file once per process. Tensors are memory-mapped."""
+    from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as e:  # the gguf reader raises bare ValueError/struct errors on garbage
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def gguf_metadata(path: Path) -> dict:
+    """Scalar and string fields of a GGUF header (arrays such as the vocabulary are left out)."""
+    from gguf import GGUFValueType
+
+    reader = open_gguf(path)
     meta: dict = {}
     for key, f in reader.fields.items():
         if not f.types or f.types[0] == GGUFValueType.ARRAY:

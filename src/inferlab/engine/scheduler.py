@@ -1,0 +1,120 @@
+"""Iteration-level scheduling with chunked prefill and preemption by recompute.
+
+Each step has a token budget. Running sequences are served first, in admission order: a decode takes one token
+(plus its speculative proposals), a sequence still prefilling takes the next chunk that fits. When the pool cannot
+grow a sequence, the most recently admitted running sequence is preempted (its blocks freed, its tokens recomputed
+later; the prefix cache usually makes that cheap). Waiting sequences are admitted in arrival order while blocks,
+budget and the sequence limit allow, and never in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)  # query-length-1 sequences first, then the others
+    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, speculative proposals included
+    num_decodes: int = 0  # leading sequences with exactly one new token
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            wanted = seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens
+            if seq.spec_token_ids and wanted > budget:
+                seq.spec_token_ids = []  # not enough budget to verify: plain decode this step
+                wanted = seq.num_tokens - seq.num_computed_tokens
+            n = min(wanted, budget)
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                chosen.append((seq, n))
+                budget -= n
+                i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            cached = self.bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.bm.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.bm.allocate(seq, num_cached + n, cached):
+                break
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+                self.bm.record_lookup(seq.num_prompt_tokens, num_cached)
+            seq.num_computed_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+            self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+
+        chosen.sort(key=lambda sn: sn[1] != 1)  # stable: decodes first, then chunks, each in admission order
+        return ScheduledBatch(
+            seqs=[s for s, _ in chosen],
+            num_new_tokens=[n for _, n in chosen],
+            num_decodes=sum(1 for _, n in chosen if n == 1),
+            preempted=preempted,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence from wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = SequenceStatus.FINISHED
+        self.bm.free(seq)

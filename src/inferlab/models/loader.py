@@ -1,0 +1,173 @@
+"""Build a model from a GGUF file or a Hugging Face safetensors folder, and load its tokenizer from the same files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inferlab.engine.errors import ModelLoadError
+from inferlab.models.config import ModelConfig, open_gguf, read_model_config, resolve_model_path
+from inferlab.models.llama import LlamaForCausalLM
+
+
+@dataclass(slots=True)
+class RawTensor:
+    """A weight as stored in the GGUF file (for quantized loading without a dequantize-requantize round trip)."""
+
+    ggml_type: str  # "Q4_1", "Q8_0", "F32", ...
+    data: np.ndarray  # uint8 [out_rows, bytes_per_row], rows in the same order as the float weight
+    shape: tuple[int, int]  # (out, in)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    path: Path
+    raw: dict[str, RawTensor] = field(default_factory=dict)  # keyed by the nn.Linear's qualified name
+    load_seconds: float = 0.0
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's conversion-time Q/K row permutation (interleaved RoPE pairs -> rotate-half layout)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path, cfg: ModelConfig, keep_raw: bool) -> tuple[dict[str, torch.Tensor], dict[str, RawTensor]]:
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def floats(name: str) -> np.ndarray:
+        t = tensors[name]
+        return dequantize(t.data, t.tensor_type).reshape(tuple(int(x) for x in reversed(t.shape)))
+
+    def raw_rows(name: str) -> np.ndarray:
+        t = tensors[name]
+        return np.asarray(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1)
+
+    sd: dict[str, torch.Tensor] = {}
+    raw: dict[str, RawTensor] = {}
+
+    def fused(dst: str, parts: list[tuple[str, int | None]]) -> None:
+        """parts: (gguf name, heads to un-permute by or None). Rows are concatenated in order."""
+        mats = [_unpermute(floats(n), h) if h else floats(n) for n, h in parts]
+        sd[dst + ".weight"] = torch.from_numpy(np.concatenate(mats, axis=0))
+        if keep_raw:
+            types = {tensors[n].tensor_type.name for n, _ in parts}
+            if len(types) == 1:
+                rows = [_unpermute(raw_rows(n), h) if h else raw_rows(n) for n, h in parts]
+                data = np.ascontiguousarray(np.concatenate(rows, axis=0))
+                raw[dst] = RawTensor(types.pop(), data, tuple(sd[dst + ".weight"].shape))
+
+    sd["model.embed_tokens.weight"] = torch.from_numpy(floats("token_embd.weight").copy())
+    sd["model.norm.weight"] = torch.from_numpy(floats("output_norm.weight").copy())
+    if "output.weight" in tensors:
+        fused("lm_head", [("output.weight", None)])
+    elif keep_raw:
+        raw["lm_head"] = RawTensor(tensors["token_embd.weight"].tensor_type.name, raw_rows("token_embd.weight"),
+                                   (cfg.vocab_size, cfg.hidden_size))
+    for i in range(cfg.num_layers):
+        b, p = f"blk.{i}.", f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = torch.from_numpy(floats(b + "attn_norm.weight").copy())
+        sd[p + "post_attention_layernorm.weight"] = torch.from_numpy(floats(b + "ffn_norm.weight").copy())
+        fused(p + "self_attn.qkv_proj",
+              [(b + "attn_q.weight", cfg.num_heads), (b + "attn_k.weight", cfg.num_kv_heads), (b + "attn_v.weight", None)])
+        fused(p + "self_attn.o_proj", [(b + "attn_output.weight", None)])
+        fused(p + "mlp.gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)])
+        fused(p + "mlp.down_proj", [(b + "ffn_down.weight", None)])
+    return sd, raw
+
+
+def _load_hf(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files (only safetensors weights are supported)")
+    src: dict[str, torch.Tensor] = {}
+    for f in files:
+        src.update(load_file(str(f)))
+    sd = {k: v for k, v in src.items() if "rotary_emb" not in k and not any(
+        s in k for s in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [src[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
+        sd[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [src[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")], dim=0)
+    return sd
+
+
+def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device,
+               quantization: str = "none", quant_group_size: int = 32) -> LoadedModel:
+    t0 = time.perf_counter()
+    path = resolve_model_path(model)
+    cfg = read_model_config(path)
+    if path.is_file():
+        sd, raw = _load_gguf(path, cfg, keep_raw=quantization != "none")
+    else:
+        sd, raw = _load_hf(path, cfg), {}
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg)
+    net = net.to_empty(device=device)
+    # Rotary tables are buffers computed at construction: rebuild them on the real device.
+    from inferlab.layers.rotary import RotaryEmbedding
+
+    net.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    missing, unexpected = net.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: weights do not match the architecture (missing {missing[:4]}, unexpected {unexpected[:4]})")
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    net = net.to(device=device, dtype=dtype).eval()
+    net.requires_grad_(False)
+    loaded = LoadedModel(net, cfg, path, raw)
+    if quantization != "none":
+        from inferlab.quant import quantize_model
+
+        loaded.quant_path = quantize_model(net, quantization, quant_group_size, raw=raw)  # type: ignore[attr-defined]
+    loaded.raw = {}
+    loaded.load_seconds = time.perf_counter() - t0
+    return loaded
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("INFERLAB_CACHE", Path.home() / ".cache" / "inferlab"))
+    return root / "tokenizers" / key
+
+
+def load_tokenizer(model: str | Path | None):
+    """The fast tokenizer and chat template from the model's own files (transformers builds it from GGUF too).
+
+    Building a tokenizer from a GGUF vocabulary takes seconds, so the result is saved once under
+    ~/.cache/inferlab/tokenizers (keyed by the file's path, size and mtime) and reloaded from there.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    try:
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path))
+        cache = _tokenizer_cache_dir(path)
+        if (cache / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cache))
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tok.save_pretrained(str(cache))
+        except OSError:
+            pass  # a read-only home is fine: we just rebuild next time
+        return tok
+    except Exception as e:  # transformers raises many kinds; the user needs the path and the reason
+        raise ModelLoadError(f"{path}: cannot build a tokenizer from the model files ({e})") from e
