@@ -50,6 +50,30 @@ def test_adapter_reads_bench_summaries():
     assert views[0].output_mean == 20 and views[0].input_mean == 100
 
 
+def scraped(before: str, after: str) -> dict:
+    """Server metrics in the shape bench's --scrape-metrics writes, made by bench's own Scraper."""
+    from inferlab.bench.scrape import Scraper, parse
+
+    sc = Scraper(None, "http://x")
+    sc.samples = [parse(before), parse(after)]
+    return sc.summary()
+
+
+def test_adapter_reads_bench_scrape_summaries():
+    before = ("vllm:num_preemptions_total 2\nvllm:kv_cache_usage_perc 0.5\nvllm:num_requests_waiting 0\n"
+              "vllm:request_queue_time_seconds_sum 1.0\nvllm:request_queue_time_seconds_count 10\n"
+              "inferlab:engine_steps_total 100\ninferlab:engine_step_seconds_total 1.0\n")
+    after = ("vllm:num_preemptions_total 9\nvllm:kv_cache_usage_perc 0.95\nvllm:num_requests_waiting 7\n"
+             "vllm:request_queue_time_seconds_sum 5.0\nvllm:request_queue_time_seconds_count 30\n"
+             "inferlab:engine_steps_total 300\ninferlab:engine_step_seconds_total 9.0\n")
+    v = runs_from_results(run(records(5, 0.1, 0.02), 1, server=scraped(before, after)))[0]
+    assert v.server["preemptions"] == 7
+    assert v.server["kv_cache_usage"] == 0.95  # the peak of the sampled gauge
+    assert v.server["num_waiting"] == 7
+    assert v.server["queue_time_mean"] == pytest.approx(4.0 / 20)
+    assert v.server["step_time_mean"] == pytest.approx(8.0 / 200)
+
+
 def test_high_ttft_normal_decode_points_at_queueing():
     server = {"vllm:request_queue_time_seconds": {"sum": 6.0, "count": 10},
               "vllm:request_prefill_time_seconds": {"sum": 0.5, "count": 10}}

@@ -77,31 +77,30 @@ DISCLAIMER = ("These are hypotheses drawn from symptoms, not conclusions. Each n
 # --- the adapter: bench results -> RunView ---------------------------------------------------------------------
 
 _SERVER_KEYS = {
-    # normalised name -> accepted source names (vLLM metric names as scraped, or already-normalised)
-    "queue_time_mean": ("queue_time_mean", "vllm:request_queue_time_seconds"),
+    # normalised name -> accepted source names: bench's scrape summary (bench/scrape.py), vLLM metric names, or
+    # already-normalised values
+    "queue_time_mean": ("queue_time_mean", "queue_time_mean_s", "vllm:request_queue_time_seconds"),
     "prefill_time_mean": ("prefill_time_mean", "vllm:request_prefill_time_seconds"),
-    "decode_time_mean": ("decode_time_mean", "vllm:request_decode_time_seconds"),
-    "kv_cache_usage": ("kv_cache_usage", "kv_cache_usage_max", "vllm:kv_cache_usage_perc"),
+    "kv_cache_usage": ("kv_cache_usage", "vllm:kv_cache_usage_perc"),
     "preemptions": ("preemptions", "vllm:num_preemptions", "vllm:num_preemptions_total"),
-    "num_waiting": ("num_waiting", "num_waiting_max", "vllm:num_requests_waiting"),
-    "num_running": ("num_running", "num_running_max", "vllm:num_requests_running"),
+    "num_waiting": ("num_waiting", "requests_waiting", "vllm:num_requests_waiting"),
+    "num_running": ("num_running", "requests_running", "vllm:num_requests_running"),
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate",),
-    "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total"),
-    "prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total"),
+    "prefix_cache_hits": ("prefix_cache_hits", "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total"),
+    "prefix_cache_queries": ("prefix_cache_queries", "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total"),
     "step_time_mean": ("step_time_mean",),
 }
 
 
 def _number(v) -> float | None:
-    """A scraped value: a number, a histogram {sum, count} (-> mean), or a {before, after}/{delta}/{max} record."""
+    """A scraped value: a number; a gauge sampled over the run {mean, max} (-> max: pressure shows at the peak);
+    a histogram {sum, count} (-> mean); or a counter {delta}."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
     if isinstance(v, dict):
-        if "mean" in v:
-            return _number(v["mean"])
         if "sum" in v and "count" in v:
             return v["sum"] / v["count"] if v["count"] else None
-        for k in ("delta", "max", "after", "value"):
+        for k in ("max", "delta", "mean", "after", "value"):
             if k in v:
                 return _number(v[k])
     return None
@@ -118,7 +117,10 @@ def _server_metrics(raw: dict | None) -> dict[str, float]:
                 break
     if "prefix_cache_hit_rate" not in out and out.get("prefix_cache_queries"):
         out["prefix_cache_hit_rate"] = out.get("prefix_cache_hits", 0.0) / out["prefix_cache_queries"]
-    steps, secs = _number(raw.get("inferlab:engine_steps")), _number(raw.get("inferlab:engine_step_seconds"))
+    # inferlab's own engine counters, as bench's scrape reports every counter that moved
+    delta = raw.get("counters_delta") or raw
+    steps = _number(delta.get("inferlab:engine_steps_total", delta.get("inferlab:engine_steps")))
+    secs = _number(delta.get("inferlab:engine_step_seconds_total", delta.get("inferlab:engine_step_seconds")))
     if "step_time_mean" not in out and steps and secs is not None:
         out["step_time_mean"] = secs / steps
     return out
