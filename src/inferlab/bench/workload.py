@@ -133,10 +133,12 @@ def exact_texts(tok: BenchTokenizer, lengths: list[int], rng: np.random.Generato
 
 
 def synthetic(n: int, input_len: LengthDist, output_len: LengthDist, tok: BenchTokenizer, seed: int,
-              prefix_groups: int = 0, prefix_len: int = 0) -> Workload:
+              prefix_groups: int = 0, prefix_len: int = 0, part: int = 0) -> Workload:
+    """`part` draws a fresh set of prompts for the same seed (each load point of a sweep gets its own, so one
+    point cannot warm the prefix cache for the next)."""
     if tok is None:
         raise WorkloadError("synthetic prompts need a tokenizer: drop --tokenizer none, or use --dataset")
-    rng = rng_for(seed, STREAM_WORKLOAD)
+    rng = rng_for(seed, STREAM_WORKLOAD, part)
     ins = input_len.sample(n, rng).tolist()
     outs = output_len.sample(n, rng).tolist()
     groups: list[int | None] = [None] * n
