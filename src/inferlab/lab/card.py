@@ -557,3 +557,58 @@ def config_flags(config: dict) -> list[str]:
         else:
             out += [flag, str(value)]
     return out
+
+
+# --- the card as a bench run -----------------------------------------------------------------------------------
+
+_BENCH_PERCENTILES = (50.0, 90.0, 95.0, 99.0)
+
+
+def bench_slo_percentile(objectives: Objectives) -> str:
+    """Bench's gate takes one percentile for every --slo; use the card's tail (the highest listed percentile),
+    rounded down to one bench reports. The card's own per-metric checks (`evaluate`) stay the authority."""
+    ranks = [_percentile_rank(k) for t in objectives.latency.values() for k in t if k != "mean"]
+    top = max(ranks, default=99.0)
+    if top >= 100:
+        return "max"
+    return f"p{max((p for p in _BENCH_PERCENTILES if p <= top), default=50.0):g}"
+
+
+def to_bench_config(card: Card, base_url: str | None = None, output_dir: str | Path = "bench-results",
+                    serve_config: dict | None = None, quiet: bool = True, scrape_metrics: bool = True):
+    """The bench run the card describes: its workload, load, SLOs and target. `base_url` None lets bench start
+    inferlab's own server with the card's model and `serve_config` (the card's baseline config by default)."""
+    import os
+
+    from inferlab.bench.benchmark import BenchConfig, WorkloadConfig
+    from inferlab.bench.client import Target
+    from inferlab.bench.runner import Load
+    from inferlab.bench.workload import LengthDist
+
+    t, s = card.traffic, card.server
+    api_key = os.environ.get(s.api_key_env) if s.api_key_env else None
+    target = Target(base_url=base_url or "", endpoint=card.endpoint, model="" if s.kind == "inferlab" else (s.model or ""),
+                    api_key=api_key, stream=card.streaming)
+    if t.closed_loop:
+        load = Load("concurrency", float(t.concurrency))
+    else:
+        load = Load("rate", t.rate, arrival=t.arrival, burstiness=t.burstiness, max_concurrency=t.concurrency)
+    workload = WorkloadConfig(
+        input_len=LengthDist.parse(t.input_len.bench_arg(), "traffic.input_len"),
+        output_len=LengthDist.parse(t.output_len.bench_arg(), "traffic.output_len"), output_len_given=True,
+        prefix_groups=t.prefix_groups if t.prefix_share > 0 else 0,
+        prefix_len=t.prefix_len if t.prefix_share > 0 else 0, dataset=t.dataset,
+    )
+    serve_args: list[str] = []
+    if base_url is None:
+        if s.kind != "inferlab":
+            raise ValueError(f"server kind {s.kind!r}: start it (lab.launcher) and pass its base_url")
+        serve_args = (["--model", s.model] if s.model else []) + config_flags(
+            s.config if serve_config is None else serve_config)
+    return BenchConfig(
+        target=target, loads=[load], workload=workload, base_url=base_url, serve_args=serve_args,
+        server_timeout=s.ready_timeout, num_requests=t.requests, duration=t.duration, warmup=t.warmup, seed=t.seed,
+        slos=card.objectives.request_slos(), slo_percentile=bench_slo_percentile(card.objectives),
+        scrape_metrics=scrape_metrics, output_dir=Path(output_dir), quiet=quiet,
+        argv=["--card", card.path or card.name],
+    )

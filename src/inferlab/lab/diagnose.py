@@ -219,8 +219,8 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
     if tpot_bad is None:
         tpot_bad, tpot_why = judge.poor("itl")
 
-    # 1. High TTFT, normal decode: the wait before the first token.
-    if ttft_bad and tpot_bad is False:
+    # 1. High TTFT, normal (or unjudged) decode: the wait before the first token.
+    if ttft_bad and not tpot_bad:
         ev = []
         q, pf = s.get("queue_time_mean"), s.get("prefill_time_mean")
         ttft_mean = last.stat("ttft", "mean")
@@ -240,7 +240,8 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         elif pf is not None and ttft_mean and pf / ttft_mean > 0.5:
             causes.insert(0, causes.pop(1))
         hyps.append(Hypothesis(
-            "high TTFT with normal decode speed: waiting or prefill", f"{ttft_why}; {tpot_why}", causes, ev,
+            "high TTFT with normal decode speed: waiting or prefill" if tpot_bad is False else
+            "high TTFT: waiting or prefill", f"{ttft_why}; {tpot_why}", causes, ev,
             "split TTFT into queue time and prefill time (vllm:request_queue_time_seconds and "
             "vllm:request_prefill_time_seconds via bench --scrape-metrics), and plot TTFT against prompt length "
             "from the per-request records",
@@ -249,8 +250,8 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
             vary="max_num_batched_tokens=256,512,1024", supported=q is not None or pf is not None,
         ))
 
-    # 2. Normal TTFT, poor decode: each step is slow.
-    if tpot_bad and ttft_bad is False:
+    # 2. Normal (or unjudged) TTFT, poor decode: each step is slow.
+    if tpot_bad and not ttft_bad:
         ev = []
         if s.get("kv_cache_usage") is not None:
             ev.append(f"KV cache usage {s['kv_cache_usage']:.0%}")
@@ -268,7 +269,8 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         if kv_pressure:
             causes.insert(0, causes.pop(2))
         hyps.append(Hypothesis(
-            "normal TTFT with slow decode: the step itself", f"{tpot_why}; {ttft_why}", causes, ev,
+            "normal TTFT with slow decode: the step itself" if ttft_bad is False else "slow decode: the step itself",
+            f"{tpot_why}; {ttft_why}", causes, ev,
             "compare TPOT p50 with `inferlab fit --concurrency N` decode lower bound (near it: bandwidth-bound); "
             "read vllm:kv_cache_usage_perc and vllm:num_preemptions; vary concurrency and watch TPOT",
             "vary quantization (fewer bytes per step) and max_num_seqs (smaller batches); with KV pressure, "
