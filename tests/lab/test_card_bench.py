@@ -72,3 +72,24 @@ def test_card_runs_through_bench_on_the_fake_server(tmp_path):
     # scraped metrics of the fake server (a few vllm: series) read where present.
     assert d.hypotheses[0].title == "high TTFT: waiting or prefill"
     assert "ttft p50" in d.hypotheses[0].symptom and "no objective or sweep" in d.hypotheses[0].symptom
+
+
+def test_bench_flags_from_card_parse_to_the_same_config():
+    """card_bench_argv and to_bench_config describe one run: bench's own parser turns the flags into the config."""
+    import argparse
+
+    from inferlab.bench import cli as bench_cli
+    from inferlab.lab.card import card_bench_argv, load_card
+
+    from pathlib import Path
+
+    card = load_card(Path(__file__).resolve().parents[2] / "examples" / "card-chat.yaml")
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+    argv = card_bench_argv(card) + ["--output-dir", "x"]
+    via_flags = bench_cli.build_config(p.parse_args(argv), argv)
+    direct = to_bench_config(card, output_dir="x")
+    for name in ("loads", "workload", "serve_args", "num_requests", "duration", "warmup", "seed", "slos",
+                 "slo_percentile", "scrape_metrics", "base_url"):
+        assert getattr(via_flags, name) == getattr(direct, name), name
+    assert via_flags.target.endpoint == direct.target.endpoint and via_flags.target.stream == direct.target.stream

@@ -612,3 +612,48 @@ def to_bench_config(card: Card, base_url: str | None = None, output_dir: str | P
         scrape_metrics=scrape_metrics, output_dir=Path(output_dir), quiet=quiet,
         argv=["--card", card.path or card.name],
     )
+
+
+def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict | None = None) -> list[str]:
+    """The same run as `to_bench_config`, as `inferlab bench` flags: for reports (how to reproduce a
+    measurement by hand) and for a bench `--card` that prepends them to the user's own flags."""
+    t, s = card.traffic, card.server
+    argv = ["--endpoint", card.endpoint, "--stream" if card.streaming else "--no-stream"]
+    if t.closed_loop:
+        argv += ["--concurrency", str(t.concurrency)]
+    else:
+        argv += ["--rate", f"{t.rate:g}", "--arrival", t.arrival]
+        if t.arrival == "gamma":
+            argv += ["--burstiness", f"{t.burstiness:g}"]
+        if t.concurrency:
+            argv += ["--max-concurrency", str(t.concurrency)]
+    if t.requests is not None:
+        argv += ["--num-requests", str(t.requests)]
+    if t.duration is not None:
+        argv += ["--duration", f"{t.duration:g}s"]
+    argv += ["--warmup", str(t.warmup), "--seed", str(t.seed)]
+    if t.dataset:
+        argv += ["--dataset", t.dataset]
+    else:
+        argv += ["--input-len", t.input_len.bench_arg(), "--output-len", t.output_len.bench_arg()]
+        if t.prefix_share > 0:
+            argv += ["--prefix-groups", str(t.prefix_groups), "--prefix-len", str(t.prefix_len)]
+    for metric, limit in card.objectives.request_slos().items():
+        argv += ["--slo", f"{metric}={limit * 1e3:g}ms"]
+    if card.objectives.latency:
+        argv += ["--slo-percentile", bench_slo_percentile(card.objectives)]
+    argv.append("--scrape-metrics")
+    if base_url:
+        argv += ["--base-url", base_url]
+    elif s.kind == "endpoint":
+        argv += ["--base-url", s.url]
+    elif s.kind == "inferlab":
+        serve = (["--model", s.model] if s.model else []) + config_flags(s.config if serve_config is None
+                                                                         else serve_config)
+        if serve:
+            argv += ["--serve-args", shlex.join(serve)]
+    else:
+        raise ValueError(f"server kind {s.kind!r}: start it (lab.launcher) and pass its base_url")
+    if s.kind != "inferlab" and s.model:
+        argv += ["--model", s.model]
+    return argv
