@@ -135,6 +135,14 @@ class Client:
         texts: list[str] = []
         usage: list[int | None] = []
         kinds: list[bool] = []  # True = reasoning
+        try:
+            await self._send(rec, body, headers, texts, usage, kinds)
+        finally:
+            if len(rec.chunk_tokens) != len(rec.chunk_times):  # a failed or cut stream: count what did arrive
+                self._count_tokens(rec, texts, usage, kinds)
+
+    async def _send(self, rec: RequestRecord, body: bytes, headers: dict, texts: list[str],
+                    usage: list[int | None], kinds: list[bool]) -> None:
         perf = time.perf_counter
         t0 = self.t0
         try:

@@ -146,8 +146,8 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
 
         async def dispatch() -> None:
             for i, due in zip(plan.indices, plan.schedule):
-                delay = t0 + due - perf()
-                if delay > 0:
+                # a loop: uvloop's millisecond timers can wake a little early, and a request must never go early
+                while (delay := t0 + due - perf()) > 0:
                     await asyncio.sleep(delay)
                 task = asyncio.create_task(one(new(i, due)))
                 inflight.add(task)

@@ -137,8 +137,9 @@ def _timeline(records: list[RequestRecord]) -> dict:
     sent = np.array([s for s, _ in spans])
     done = np.array([e if e is not None else t1 for _, e in spans])
     in_flight = (np.searchsorted(np.sort(sent), mids, side="right") - np.searchsorted(np.sort(done), mids, side="right"))
-    times = np.concatenate([np.asarray(r.chunk_times, dtype=np.float64) for r in records]) if records else np.empty(0)
-    toks = np.concatenate([np.asarray(r.chunk_tokens, dtype=np.float64) for r in records]) if records else np.empty(0)
+    n = [min(len(r.chunk_times), len(r.chunk_tokens)) for r in records]
+    times = np.concatenate([np.asarray(r.chunk_times[:k], dtype=np.float64) for r, k in zip(records, n)])
+    toks = np.concatenate([np.asarray(r.chunk_tokens[:k], dtype=np.float64) for r, k in zip(records, n)])
     hist, _ = np.histogram(times, bins=edges, weights=toks)
     return {
         "bucket_s": width,
