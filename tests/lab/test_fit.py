@@ -55,11 +55,30 @@ def test_seed_figures_for_a_7b_model():
     assert int4.quantized_bytes + int4.unquantized_bytes == pytest.approx(3.5e9, rel=0.05)
     linear = 32 * (4 * 4096**2 + 3 * 4096 * 11008) + 32000 * 4096  # blocks + untied LM head
     assert int4.quantized_bytes == linear // 2
-    assert int4.scale_bytes == linear // 32 * 2  # one fp16 scale per 32 weights: 1/16 byte per weight
+    assert int4.scale_bytes == linear // 32 * 4  # a bf16 scale and zero point per 32 weights: 1/8 byte per weight
     assert int8.quantized_bytes == linear
     # int8: one fp16 scale per output channel: q,k,v,o 4×4096, gate/up 2×11008, down 4096 per layer; LM head 32000
     assert int8.scale_bytes == 2 * (32 * (4 * 4096 + 2 * 11008 + 4096) + 32000)
     assert int8.unquantized_bytes == 2 * (32000 * 4096 + 32 * 2 * 4096 + 4096)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
+def test_weight_memory_equals_the_engine_quantized_model(tied, scheme):
+    """The engine's own quantizer is the oracle: build a small Llama, quantize it as the engine does, count its
+    bytes (parameters and quantized buffers, each tensor once; the rotary tables are not weights)."""
+    torch = pytest.importorskip("torch")
+    from inferlab.models.config import ModelConfig
+    from inferlab.models.llama import LlamaForCausalLM
+    from inferlab.quant import quantize_model
+
+    cfg = ModelConfig("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=tied)
+    net = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    quantize_model(net, scheme, 32)
+    tensors = {id(t): t for n, t in [*net.named_parameters(), *net.named_buffers()] if "rotary" not in n}
+    actual = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert weight_memory(ModelSpec.from_model_config(cfg), quant_scheme(scheme, group_size=32), "bf16").total == actual
 
 
 def test_kv_bytes_per_token():

@@ -22,19 +22,23 @@ FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 
 @dataclass(slots=True, frozen=True)
 class QuantScheme:
-    """Weight-only quantization of the linear layers, as the engine does it (issue 5): int8 symmetric with one
-    scale per output channel, int4 symmetric with one scale per group of input weights."""
+    """Weight-only quantization of the linear layers as inferlab's engine does it (src/inferlab/quant): int8
+    symmetric with one bf16 scale per output channel; int4 with a bf16 scale and zero point per group of input
+    weights (the layout of torch's CPU int4 kernel). A tied embedding/LM head is kept at int8 under both (it costs
+    more quality at int4 than all the other layers together), and the lookups read the quantized table."""
 
     name: str
     bits: int  # of a quantized weight; for "none", the float dtype's bits
     group_size: int = 0  # 0 = one scale per output channel
-    scale_bytes: int = 2  # fp16 scales
+    scale_bytes: int = 2  # bf16
+    zero_point: bool = False
 
     def describe(self) -> str:
         if self.name == "none":
             return f"{self.bits}-bit floats"
         per = "output channel" if self.group_size == 0 else f"group of {self.group_size} weights"
-        return f"{self.bits}-bit weights + one {8 * self.scale_bytes}-bit scale per {per} (symmetric)"
+        extra = "scale and zero point" if self.zero_point else "scale"
+        return f"{self.bits}-bit weights + a {8 * self.scale_bytes}-bit {extra} per {per}"
 
 
 def quant_scheme(name: str, dtype: str = "bf16", group_size: int = 32) -> QuantScheme:
@@ -45,7 +49,7 @@ def quant_scheme(name: str, dtype: str = "bf16", group_size: int = 32) -> QuantS
     if name == "int4":
         if group_size < 1:
             raise ValueError(f"int4 group size must be a positive number of weights, got {group_size}")
-        return QuantScheme("int4", 4, group_size)
+        return QuantScheme("int4", 4, group_size, zero_point=True)
     raise ValueError(f"unknown quantization {name!r}; choose one of: {', '.join(QUANTIZATIONS)}")
 
 
@@ -53,9 +57,10 @@ def quant_scheme(name: str, dtype: str = "bf16", group_size: int = 32) -> QuantS
 class WeightMemory:
     scheme: str
     description: str
-    quantized_bytes: int  # the linear layers' weights at the scheme's bits
-    scale_bytes: int  # the scheme's overhead (scales)
-    unquantized_bytes: int  # embedding table, norms, biases and router, always at the float dtype
+    quantized_bytes: int  # the linear layers' weights at the scheme's bits (and a tied table at int8)
+    scale_bytes: int  # the scheme's overhead: scales and zero points
+    unquantized_bytes: int  # untied embedding table, norms, biases and router, always at the float dtype
+    linear_bytes: int  # the quantizable linears alone, with their scales (no tied table): MoE expert reads
 
     @property
     def total(self) -> int:
@@ -66,12 +71,22 @@ def weight_memory(spec: ModelSpec, scheme: QuantScheme, dtype: str = "bf16") -> 
     q = spec.quantizable_params
     float_bytes = DTYPE_BYTES[dtype]
     if scheme.name == "none":
-        qbytes, sbytes = q * float_bytes, 0
-    else:
-        qbytes = math.ceil(q * scheme.bits / 8)
-        n_scales = spec.quantizable_out_features if scheme.group_size == 0 else math.ceil(q / scheme.group_size)
-        sbytes = n_scales * scheme.scale_bytes
-    return WeightMemory(scheme.name, scheme.describe(), qbytes, sbytes, (spec.num_params - q) * float_bytes)
+        return WeightMemory("none", scheme.describe(), q * float_bytes, 0, (spec.num_params - q) * float_bytes,
+                            q * float_bytes)
+    qbytes = math.ceil(q * scheme.bits / 8)
+    per_group = scheme.scale_bytes * (2 if scheme.zero_point else 1)
+    sbytes = (spec.quantizable_out_features * per_group if scheme.group_size == 0
+              else math.ceil(q / scheme.group_size) * per_group)
+    rest = spec.num_params - q
+    linear = qbytes + sbytes
+    description = scheme.describe()
+    if spec.tie_word_embeddings:
+        table = spec.embedding_params
+        qbytes += table  # int8, one scale per row (vocabulary entry)
+        sbytes += spec.vocab_size * scheme.scale_bytes
+        rest -= table
+        description += "; tied embedding/LM head at int8 per row"
+    return WeightMemory(scheme.name, description, qbytes, sbytes, rest * float_bytes, linear)
 
 
 @dataclass(slots=True)
@@ -195,8 +210,7 @@ class _Model:
     def __init__(self, spec: ModelSpec, w: WeightMemory, kv_bytes_per_token: float, float_bytes: int):
         self.spec, self.w, self.kvpt = spec, w, kv_bytes_per_token
         # Bytes of one expert's linears at the selected scheme (scales included, pro rata).
-        linear_total = w.quantized_bytes + w.scale_bytes
-        self.expert_bytes = linear_total * spec.expert_params / max(1, spec.quantizable_params)
+        self.expert_bytes = w.linear_bytes * spec.expert_params / max(1, spec.quantizable_params)
         # An untied embedding table is not read by decode: each step looks up one row per sequence.
         self.embed_bytes = 0 if spec.tie_word_embeddings else spec.embedding_params * float_bytes
 

@@ -101,7 +101,7 @@ def print_report(r: FitReport) -> None:
                   f"({r.num_params / 1e9:.3g} B params" + (f", {r.active_params / 1e9:.3g} B active" if
                                                             r.active_params != r.num_params else "") + ")")
     w = Table(title="weights (GB = 10^9 bytes)", title_justify="left")
-    for c in ("quantization", "linear layers", "scales", "16-bit rest", "total"):
+    for c in ("quantization", "linear layers", "scales, zeros", "16-bit rest", "total"):
         w.add_column(c, justify="left" if c == "quantization" else "right")
     for name, wm in r.weights.items():
         w.add_row(f"{name} ◀" if name == r.selected else name, format_bytes(wm.quantized_bytes),
@@ -109,7 +109,7 @@ def print_report(r: FitReport) -> None:
     console.print(w)
     for name, wm in r.weights.items():
         console.print(f"  [dim]{name}: {wm.description}[/]")
-    console.print("  [dim]16-bit rest: embedding table, norms, biases, router (never quantized)[/]")
+    console.print("  [dim]16-bit rest: untied embedding table, norms, biases, router (never quantized)[/]")
 
     m = Table(title=f"memory: context {req.context} × concurrency {req.concurrency}", title_justify="left")
     m.add_column("item")
