@@ -70,7 +70,7 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(range(len(text.split())))
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=False):
+    def apply_chat_template(self, messages):
         return list(range(sum(len(str(m["content"]).split()) + 2 for m in messages)))
 
 
@@ -114,16 +114,19 @@ class FakeEngine:
             self._thread = me
         assert self._thread == me, "the engine was called from two threads"
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None) -> int:
+    def tokenize_prompt(self, prompt) -> tuple[list[int], str | None]:
         self._same_thread()
         if isinstance(prompt, str):
-            n = len(self.tokenizer.encode(prompt))
-        elif prompt and isinstance(prompt[0], dict):
-            n = len(self.tokenizer.apply_chat_template(prompt))
-        else:
-            n = len(prompt)
-            if any(t >= 1000 for t in prompt):
-                raise InvalidRequestError("token id out of range: the vocabulary has 1000 tokens", "prompt")
+            return self.tokenizer.encode(prompt), prompt
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.apply_chat_template(prompt), None
+        if any(t >= 1000 for t in prompt):
+            raise InvalidRequestError("token id out of range: the vocabulary has 1000 tokens", "prompt")
+        return list(prompt), None
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None) -> int:
+        self._same_thread()
+        n = len(self.tokenize_prompt(prompt)[0])
         if n == 0:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if n + params.max_tokens > self.max_model_len:
@@ -204,3 +207,41 @@ def fake_server():
     yield make
     for s in servers:
         s.stop()
+
+
+def fuzz_openapi(base: str, max_examples: int, negative: bool) -> list[str]:
+    """Generate requests from the server's own OpenAPI schema (schemathesis) and return every one that got a 5xx
+    or a response that contradicts the schema. max_tokens is capped at 4: the fuzz is about the HTTP layer."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                   status_code_conformance)
+
+    schema = schemathesis.openapi.from_url(base + "/openapi.json")
+    checks = [not_a_server_error, response_schema_conformance, content_type_conformance, status_code_conformance]
+    modes = [schemathesis.GenerationMode.POSITIVE] + ([schemathesis.GenerationMode.NEGATIVE] if negative else [])
+    problems: list[str] = []
+    for result in schema.get_all_operations():
+        op = result.ok()
+        if op.method.upper() != "POST" and not op.path.startswith("/v1"):
+            continue  # /health and /metrics take no input
+        for mode in modes:
+            @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case) -> None:
+                if isinstance(case.body, dict):
+                    for key in ("max_tokens", "max_completion_tokens"):
+                        if isinstance(case.body.get(key), int) and not isinstance(case.body[key], bool) \
+                                and case.body[key] > 4:
+                            case.body[key] = 4
+                    if "messages" in case.body and case.body.get("max_tokens") is None:
+                        case.body.setdefault("max_completion_tokens", 4)
+                try:
+                    case.call_and_validate(checks=checks, timeout=300)
+                except Exception as e:  # noqa: BLE001 - collect every distinct failure, report them all
+                    problems.append(f"{op.method.upper()} {op.path}: {str(e)[:800]}")
+
+            check()
+    return problems

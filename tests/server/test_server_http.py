@@ -131,7 +131,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 7}]}', 400, "messages", "content"),
     ("/v1/chat/completions", '{"messages": "hello"}', 400, "messages", "valid list"),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "w " * 300}]}), 400, "messages",
-     "context of 256 tokens"),
+     "maximum context length is 256 tokens"),
     ("/v1/chat/completions", json.dumps({"messages": CHAT, "tools": [{"type": "function"}]}), 400, "tools",
      "not supported"),
     ("/v1/nothing-here", "{}", 404, None, "Not Found"),
@@ -340,3 +340,12 @@ def test_openapi_schema_documents_the_routes(fake_server):
     post = schema["paths"]["/v1/chat/completions"]["post"]
     assert {"200", "400", "401", "404", "429", "504"} <= set(post["responses"])
     assert "text/event-stream" in post["responses"]["200"]["content"]
+
+
+def test_fuzzing_the_openapi_schema_finds_no_server_error(fake_server):
+    from conftest import fuzz_openapi
+
+    s = fake_server(FakeEngine(max_model_len=4096), request_timeout=30)
+    problems = fuzz_openapi(s.base, max_examples=60, negative=True)
+    assert not problems, "\n\n".join(problems[:5])
+    assert httpx.post(s.base + "/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200

@@ -93,7 +93,11 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorResponse, "description": "The engine has stopped"},
     504: {"model": ErrorResponse, "description": "--request-timeout expired"},
 }
-_SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "`data: {chunk}` lines, then `data: [DONE]`"}}}
+# With "stream": true the 200 is server-sent events; the schema describes one event.
+_SSE_DOC = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk (`chat.completion.chunk` or "
+                                                             "`text_completion`), an error object, or `[DONE]`"}}}}}
 
 
 class _EventStream(StreamingResponse):
@@ -290,7 +294,8 @@ def build_app(engine: Any, max_num_seqs: int, config: ServerConfig | None = None
 
     # ------------------------------------------------------------ routes
 
-    @app.get("/health", summary="Liveness: 200 while the engine thread runs")
+    @app.get("/health", summary="Liveness: 200 (empty body) while the engine thread runs", response_class=Response,
+             responses={200: {"description": "alive"}, 503: _ERROR_RESPONSES[503]})
     async def health() -> Response:
         if aengine.error is not None:
             return _error_response(APIError(503, f"the engine stopped: {aengine.error!r}", "server_error", None,

@@ -221,9 +221,8 @@ class AsyncEngine:
             a = adds.popleft()
             num_added += 1
             try:
-                if a.fill_context:
-                    a.params.max_tokens = self._room_left(a.prompt)
-                results.append((a.future, engine.add_request(a.request_id, a.prompt, a.params,
+                prompt = self._fill_context(a.prompt, a.params) if a.fill_context else a.prompt
+                results.append((a.future, engine.add_request(a.request_id, prompt, a.params,
                                                              arrival_time=a.arrival_time, cache_salt=a.cache_salt)))
             except InvalidRequestError as e:
                 results.append((a.future, e))
@@ -238,18 +237,15 @@ class AsyncEngine:
             num_aborted += 1
         return num_added, num_aborted
 
-    def _room_left(self, prompt: str | list[int] | list[dict[str, Any]]) -> int:
-        """max_tokens for a request that did not set one: the rest of the context after its prompt."""
-        tok = self.engine.tokenizer
-        if isinstance(prompt, str):
-            n = len(tok.encode(prompt, add_special_tokens=False))
-        elif prompt and isinstance(prompt[0], dict):
-            n = len(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False))
-        else:
-            n = len(prompt)
-        room = self.engine.max_model_len - n
+    def _fill_context(self, prompt: str | list[int] | list[dict[str, Any]],
+                      params: SamplingParams) -> list[int]:
+        """A request without max_tokens generates until the context is full (OpenAI's default for chat): tokenize
+        once here, size max_tokens from the prompt, and hand the engine the ids."""
+        ids, _ = self.engine.tokenize_prompt(prompt)
+        room = self.engine.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequestError(
-                f"the prompt is {n} tokens, which leaves no room to generate in this model's context of "
-                f"{self.engine.max_model_len} tokens", "messages")
-        return room
+                f"this model's maximum context length is {self.engine.max_model_len} tokens and the prompt alone "
+                f"is {len(ids)} tokens, leaving no room to generate; shorten the prompt", "prompt")
+        params.max_tokens = room
+        return ids
