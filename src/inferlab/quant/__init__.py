@@ -1,0 +1,101 @@
+"""Weight-only quantization at load time: one module per scheme (int8.py, int4.py), GGUF blocks in gguf_q4.py.
+
+`quantize_model` swaps every `nn.Linear` of a loaded model for the scheme's QuantLinear, in place. A tied LM head
+(`lm_head.weight is embed_tokens.weight`) is quantized once and the embedding then reads its rows from it
+(QuantEmbedding), so the float table is freed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from inferlab.quant.embedding import QuantEmbedding
+from inferlab.quant.gguf_q4 import RawGGUFWeight, dequantize_raw, q4_1_blocks
+from inferlab.quant.int4 import Int4Linear, check_int4_shape
+from inferlab.quant.int8 import Int8Linear
+from inferlab.quant.linear import QuantLinear
+
+SCHEMES = ("none", "int8", "int4")
+# The tied embedding/LM head's scheme per model scheme. int4 keeps it int8, as llama.cpp's Q4_1 files keep it
+# Q8_0: measured on SmolLM2-135M (benchmarks/quantization.py), an int4 head costs more perplexity than all the
+# int4 layers together, while int8 costs little speed at one token.
+HEAD_SCHEME = {"int8": "int8", "int4": "int8"}
+
+__all__ = ["SCHEMES", "HEAD_SCHEME", "Int4Linear", "Int8Linear", "QuantEmbedding", "QuantLinear", "RawGGUFWeight",
+           "quantize_model", "quantize_weight"]
+
+
+def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
+                    raw: RawGGUFWeight | None = None) -> tuple[QuantLinear, str]:
+    """One weight [out, in] -> (its QuantLinear, how it was made). `raw`, when given, is the same weight as the
+    GGUF file stores it and is preferred over `w` (it is the more precise source)."""
+    if scheme == "int4" and raw is not None and raw.ggml_type == "Q4_1" and group_size == 32:
+        return Int4Linear.from_q4_1(*q4_1_blocks(raw)), "GGUF Q4_1 blocks loaded directly (no requantization)"
+    if raw is not None:
+        src, how = dequantize_raw(raw), f"requantized from GGUF {raw.ggml_type}"
+    elif w is not None:
+        src, how = w, f"quantized from {str(w.dtype).removeprefix('torch.')}"
+    else:
+        raise ValueError("quantize_weight needs a float weight or a raw GGUF weight")
+    if scheme == "int8":
+        return Int8Linear.from_float(src), how
+    if scheme == "int4":
+        return Int4Linear.from_float(src, group_size), how
+    raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
+                   raw: Mapping[str, RawGGUFWeight] | None = None, head_scheme: str | None = None) -> str:
+    """Replace every nn.Linear(bias=False) of `model` with a QuantLinear, in place, and say what was done.
+
+    raw: GGUF weights keyed by the Linear's qualified name ("model.layers.0.self_attn.qkv_proj", "lm_head").
+    head_scheme: the tied LM head's scheme (default HEAD_SCHEME[scheme]).
+    Quantize after any `model.to(device, dtype)`: the quantized layers keep their own dtypes.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if scheme == "none":
+        return "none (float weights)"
+    head_scheme = head_scheme or HEAD_SCHEME[scheme]
+    if head_scheme not in SCHEMES[1:]:
+        raise ValueError(f"unknown head scheme {head_scheme!r}; choose int8 or int4")
+    raw = raw or {}
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if scheme == "int4":  # fail before changing anything
+        for name, m in linears:
+            try:
+                check_int4_shape(tuple(m.weight.shape), group_size)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+    embeddings = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    float_bytes = sum(m.weight.numel() * m.weight.element_size() for _, m in linears)
+    quant_bytes = 0
+    layers: Counter[str] = Counter()
+    head_note = ""
+    for name, lin in linears:
+        if lin.bias is not None:
+            raise ValueError(f"{name}: only bias-free linear layers can be quantized")
+        tied_to = embeddings.get(id(lin.weight))
+        s = head_scheme if tied_to is not None else scheme
+        q, how = quantize_weight(lin.weight.detach(), s, group_size, raw.get(name))
+        q.to(lin.weight.device)
+        _replace(model, name, q)
+        quant_bytes += q.weight_bytes()
+        if tied_to is not None:
+            _replace(model, tied_to, QuantEmbedding(q, lin.weight.dtype))
+            head_note = f"; {name} (tied to {tied_to}, which now reads its rows from it): {s}, {how}"
+        else:
+            layers[how] += 1
+    g = f" group {group_size}" if scheme == "int4" else " per-channel"
+    body = ", ".join(f"{n} linear layers {how}" for how, n in layers.items())
+    return (f"{scheme}{g}: {body}{head_note}; linear weights {float_bytes / 2**20:.1f} MiB -> "
+            f"{quant_bytes / 2**20:.1f} MiB")
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)

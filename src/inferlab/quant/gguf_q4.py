@@ -1,0 +1,68 @@
+"""Reading GGUF's own quantized blocks straight into our layers, without a dequantize -> requantize round trip.
+
+Block layouts (ggml-common.h; gguf.quants is the reference dequantizer the tests compare against):
+  Q4_1: 32 weights in 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles; byte i holds weight i (low nibble) and
+        weight i + 16 (high nibble); value = d * q + m.
+  Q8_0: 32 weights in 34 bytes: fp16 d, 32 int8; value = d * q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QK = 32  # weights per block in Q4_0/Q4_1/Q8_0
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(slots=True)
+class RawGGUFWeight:
+    """One linear weight as the GGUF file stores it (the loader's RawTensor has the same fields)."""
+
+    ggml_type: str  # "Q4_1", "Q8_0", "F32", ...
+    data: np.ndarray  # uint8 [out_rows, bytes_per_row]: rows already permuted/fused like the float weight
+    shape: tuple[int, int]  # (out, in)
+
+
+def _blocks(raw: RawGGUFWeight, ggml_type: str) -> np.ndarray:
+    """The raw rows viewed as [out, in / 32, block bytes], with a clear error when they do not fit."""
+    out, k = raw.shape
+    nbytes = BLOCK_BYTES[ggml_type]
+    if raw.ggml_type != ggml_type:
+        raise ValueError(f"expected a {ggml_type} weight, got {raw.ggml_type}")
+    if k % QK or raw.data.dtype != np.uint8 or raw.data.shape != (out, k // QK * nbytes):
+        raise ValueError(f"{ggml_type} data for shape {raw.shape} must be uint8 [{out}, {k // QK * nbytes}], "
+                         f"got {raw.data.dtype} {list(raw.data.shape)}")
+    return np.ascontiguousarray(raw.data).reshape(out, k // QK, nbytes)
+
+
+def q4_1_blocks(raw: RawGGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 rows -> (q uint8 [out, in] in 0..15, d fp16 [out, in/32], m fp16 [out, in/32])."""
+    b = _blocks(raw, "Q4_1")
+    d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0])
+    m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0])
+    qs = torch.from_numpy(b[..., 4:].copy())  # [out, blocks, 16]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # weights 0..15 then 16..31 of each block
+    return q.reshape(raw.shape), d, m
+
+
+def q8_0_blocks(raw: RawGGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows -> (q int8 [out, in], d fp16 [out, in/32])."""
+    b = _blocks(raw, "Q8_0")
+    d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0])
+    q = torch.from_numpy(b[..., 2:].copy().view(np.int8))
+    return q.reshape(raw.shape), d
+
+
+def dequantize_raw(raw: RawGGUFWeight) -> torch.Tensor:
+    """Any GGUF weight -> float32 [out, in], through gguf's own reference dequantizer."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType[raw.ggml_type]
+    except KeyError:
+        raise ValueError(f"unknown GGML type {raw.ggml_type!r}") from None
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw.data, qtype), dtype=np.float32)).reshape(raw.shape)

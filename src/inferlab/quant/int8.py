@@ -1,0 +1,54 @@
+"""int8 weight-only quantization: symmetric, one scale per output channel (row).
+
+w[n, k] ~= q[n, k] * scale[n], q in [-127, 127]. The scale is stored in bf16 because torch's CPU kernel
+(`aten._weight_int8pack_mm`) wants scales in the activation dtype; q is computed against the already-rounded
+scale, so the stored pair is the exact representation and `dequantize` reproduces what the kernel multiplies by.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inferlab.quant.linear import KERNEL_DTYPE, QuantLinear
+
+QMAX = 127  # symmetric range: -128 is left unused so that q and -q are both representable
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (any float dtype) -> (q int8 [out, in], scale bf16 [out]).
+
+    Error bound per element: |w - q * scale| <= scale / 2, plus at most 2^-8 * |w| where bf16 rounded the
+    scale down and the largest value was clamped to 127.
+    """
+    if w.dim() != 2:
+        raise ValueError(f"int8 quantization needs a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    w = w.float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax)).to(KERNEL_DTYPE)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(QuantLinear):
+    scheme = "int8"
+    # Crossover measured with benchmarks/quantization.py kernels: _weight_int8pack_mm beats bf16 up to ~8 tokens
+    # (2x at 1 token), then loses; dequantize + bf16 matmul costs one int8->bf16 pass over the weight.
+    max_kernel_tokens = 8
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+        super().__init__(qweight.shape[1], qweight.shape[0])
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor) -> "Int8Linear":
+        return cls(*quantize_int8(w))
+
+    def dequantize_rows(self, rows: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q, s = (self.qweight, self.scales) if rows is None else (self.qweight[rows], self.scales[rows])
+        # q (|q| <= 127) and s are exact in bf16 and in fp32, so computing in `dtype` rounds the product once.
+        return q.to(dtype) * s.to(dtype)[:, None]
+
+    def _kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+        # .to() is a no-op unless someone cast the model after quantizing (bf16 -> fp32 -> bf16 is exact).
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales.to(KERNEL_DTYPE))

@@ -1,0 +1,100 @@
+"""quantize_model on a small Llama built from the project's own model class (random weights, no file)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from inferlab.models.config import ModelConfig
+from inferlab.models.llama import LlamaForCausalLM
+from inferlab.quant import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, RawGGUFWeight, quantize_model
+
+CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64)
+
+
+def tiny_model(dtype=torch.float32, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    net = LlamaForCausalLM(CFG)
+    for name, p in net.named_parameters():
+        if "norm" not in name:
+            nn.init.normal_(p, std=0.05)
+    return net.to(dtype).eval().requires_grad_(False)
+
+
+def logits(net: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    from inferlab.engine.llm import _forward_without_cache
+    from inferlab.layers.attention import AttentionMetadata
+
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=0, decode=None,
+                             extend=None, causal_only=True)
+    with torch.inference_mode():
+        return net.compute_logits(_forward_without_cache(net, ids, torch.arange(len(ids)), meta))
+
+
+def unique_bytes(net: nn.Module) -> int:
+    ts = {id(t): t for t in list(net.parameters()) + list(net.buffers())}
+    return sum(t.numel() * t.element_size() for t in ts.values())
+
+
+IDS = torch.randint(0, CFG.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("scheme,tol", [("int8", 0.03), ("int4", 0.25)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_model_tracks_the_float_model(scheme, tol, dtype):
+    net = tiny_model(dtype)
+    ref = logits(net, IDS)
+    before = unique_bytes(net)
+    desc = quantize_model(net, scheme, 32)
+    assert not [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
+    assert isinstance(net.model.layers[1].mlp.gate_up_proj, Int8Linear if scheme == "int8" else Int4Linear)
+    assert isinstance(net.lm_head, Int8Linear)  # the tied head's default scheme is int8 for both
+    assert isinstance(net.model.embed_tokens, QuantEmbedding)
+    assert desc.startswith(scheme) and "8 linear layers quantized from" in desc and "lm_head (tied to" in desc
+    out = logits(net, IDS)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert 0 < rel < tol, rel
+    assert unique_bytes(net) < before * (0.6 if dtype == torch.bfloat16 else 0.3)
+
+
+def test_embedding_reads_the_quantized_head():
+    net = tiny_model()
+    quantize_model(net, "int4", 32, head_scheme="int4")
+    assert isinstance(net.lm_head, Int4Linear)
+    ids = torch.tensor([[3, 511], [0, 64]])
+    emb = net.model.embed_tokens(ids)
+    assert emb.shape == (2, 2, 128) and emb.dtype == torch.float32
+    assert torch.equal(emb.reshape(4, 128), net.lm_head.dequantize()[ids.reshape(-1)])
+
+
+def test_raw_gguf_weights_take_the_direct_path():
+    net = tiny_model()
+    raw, ref = {}, {}
+    for name, m in net.named_modules():
+        if isinstance(m, nn.Linear) and name != "lm_head":
+            data = quantize(m.weight.numpy(), GGMLQuantizationType.Q4_1)
+            raw[name] = RawGGUFWeight("Q4_1", data, tuple(m.weight.shape))
+            ref[name] = torch.from_numpy(dequantize(data, GGMLQuantizationType.Q4_1))
+    raw["lm_head"] = RawGGUFWeight("Q8_0", quantize(net.lm_head.weight.numpy(), GGMLQuantizationType.Q8_0),
+                                   tuple(net.lm_head.weight.shape))
+    desc = quantize_model(net, "int4", 32, raw=raw)
+    assert "8 linear layers GGUF Q4_1 blocks loaded directly" in desc and "int8, requantized from GGUF Q8_0" in desc
+    for name, r in ref.items():
+        assert torch.equal(net.get_submodule(name).dequantize(), r), name
+
+
+def test_none_changes_nothing_and_bad_input_is_refused():
+    net = tiny_model()
+    assert quantize_model(net, "none", 32) == "none (float weights)"
+    assert isinstance(net.lm_head, nn.Linear)
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int3'"):
+        quantize_model(net, "int3", 32)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.qkv_proj: int4 group size 96"):
+        quantize_model(net, "int4", 96)
+    assert isinstance(net.lm_head, nn.Linear)  # refused before anything was replaced

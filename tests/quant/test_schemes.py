@@ -1,0 +1,128 @@
+"""int8 / int4 quantization on random matrices: error bounds, the packed layout, and the layer's forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferlab.quant import Int4Linear, Int8Linear
+from inferlab.quant.int4 import pack_int4, quantize_int4, unpack_int4
+from inferlab.quant.int8 import quantize_int8
+
+
+def _weights(seed: int, n: int = 192, k: int = 256) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[3] = 0.0  # an all-zero row
+    w[5, :] = 0.7  # a constant row (constant groups for int4)
+    w[7, 11] = 3.0  # an outlier that sets its row's (and group's) scale
+    w[9] *= 1e-4  # a row far smaller than the rest
+    return w
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_int8_error_bound(seed):
+    w = _weights(seed)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and q.abs().max() <= 127
+    deq = Int8Linear(q, scale).dequantize()
+    s = scale.float()[:, None]
+    # Rounding to the nearest step, plus the clamp where bf16 rounded the scale down (see quantize_int8).
+    bound = s / 2 + w.abs() * 2**-8 + 1e-12
+    assert ((deq - w).abs() <= bound).all()
+    assert (deq[3] == 0).all()
+    # Not vacuous: the error is a real fraction of a step, and the relative error is about what 8 bits give.
+    assert (deq - w).abs().max() > 0.2 * s.min()
+    assert (deq - w).norm() / w.norm() < 0.01
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_error_bound(seed, group_size):
+    w = _weights(seed)
+    q, scale, zero = quantize_int4(w, group_size)
+    assert q.dtype == torch.uint8 and q.max() <= 15 and scale.shape == (192, 256 // group_size)
+    deq = Int4Linear.from_float(w, group_size).dequantize()
+    s = scale.float().repeat_interleave(group_size, dim=1)
+    z = zero.float().repeat_interleave(group_size, dim=1)
+    bound = s * (0.5 + 15 * 2**-8) + z.abs() * 2**-8 + 1e-12
+    assert ((deq - w).abs() <= bound).all()
+    assert torch.allclose(deq[5], w[5], rtol=2**-8)  # a constant group lands on its zero point
+    rel = ((deq - w).norm() / w.norm()).item()
+    assert 0.02 < rel < 0.15  # what 4 bits with groups give on Gaussian weights; zero error would mean a no-op
+
+
+def test_int4_smaller_groups_are_more_accurate():
+    w = _weights(0)
+    errs = [(Int4Linear.from_float(w, g).dequantize() - w).norm().item() for g in (32, 64, 128)]
+    assert errs[0] < errs[1] < errs[2]
+
+
+def test_pack_matches_torch_converter():
+    q = torch.randint(0, 16, (192, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    packed = pack_int4(q)
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 2))
+    assert torch.equal(unpack_int4(packed, 96), q)
+    rows = torch.tensor([0, 31, 32, 63, 64, 100, 191, 5])
+    assert torch.equal(unpack_int4(packed, 96, rows), q[rows])
+
+
+def _layers(w):
+    return [Int8Linear.from_float(w), Int4Linear.from_float(w, 32), Int4Linear.from_float(w, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 40])  # both sides of max_kernel_tokens
+def test_forward_equals_dequantized_matmul(dtype, tokens):
+    w = _weights(2, n=200)  # 200 rows: int4 pads to 256 and slices the outputs back
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+    for layer in _layers(w):
+        y = layer(x.to(dtype))
+        assert y.dtype == dtype and y.shape == (tokens, 200)
+        ref = x.to(dtype).double() @ layer.dequantize().double().T
+        # The kernels see bf16 activations and return bf16 (about 3 significant digits): compare against the
+        # output's scale; a wrong nibble or scale would be off by a whole quantization step (>> 2%).
+        err = (y.double() - ref).abs().max() / ref.abs().max()
+        assert err < 0.02, (type(layer).__name__, err)
+
+
+def test_kernel_and_dense_paths_agree():
+    w = _weights(3)
+    x = torch.randn(4, 256, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    for layer in _layers(w):
+        small = layer(x)  # the kernel
+        layer.max_kernel_tokens = 0
+        dense = layer(x)  # dequantize + dense matmul
+        assert torch.allclose(small.float(), dense.float(), atol=0.02 * dense.abs().max().item())
+
+
+def test_forward_keeps_leading_dims():
+    layer = Int8Linear.from_float(_weights(0))
+    x = torch.randn(2, 3, 256)
+    assert torch.allclose(layer(x), layer(x.reshape(6, 256)).reshape(2, 3, 192))
+
+
+def test_casting_the_model_after_quantizing_keeps_the_kernel_working():
+    w = _weights(0)
+    for layer in _layers(w):
+        before = layer(torch.ones(1, 256))
+        layer.to(torch.float32)  # turns the bf16 scales into fp32; the kernel must still get bf16
+        assert torch.equal(layer(torch.ones(1, 256)), before)
+
+
+def test_dequantize_rows_matches_full_dequantize():
+    w = _weights(1)
+    rows = torch.tensor([4, 0, 191, 64, 4])
+    for layer in _layers(w):
+        assert torch.equal(layer.dequantize_rows(rows), layer.dequantize()[rows])
+
+
+@pytest.mark.parametrize("group_size", [0, 3, 48, 512])
+def test_bad_group_size_is_a_clear_error(group_size):
+    with pytest.raises(ValueError, match="group size"):
+        Int4Linear.from_float(torch.randn(64, 256), group_size)
+
+
+def test_not_a_matrix_is_a_clear_error():
+    with pytest.raises(ValueError, match="2-D"):
+        Int8Linear.from_float(torch.randn(4, 4, 4))
