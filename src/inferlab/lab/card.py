@@ -614,7 +614,8 @@ def to_bench_config(card: Card, base_url: str | None = None, output_dir: str | P
     )
 
 
-def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict | None = None) -> list[str]:
+def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict | None = None,
+                    requests: int | None = None) -> list[str]:
     """The same run as `to_bench_config`, as `inferlab bench` flags: for reports (how to reproduce a
     measurement by hand) and for a bench `--card` that prepends them to the user's own flags."""
     t, s = card.traffic, card.server
@@ -627,9 +628,11 @@ def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict 
             argv += ["--burstiness", f"{t.burstiness:g}"]
         if t.concurrency:
             argv += ["--max-concurrency", str(t.concurrency)]
-    if t.requests is not None:
+    if requests is not None:
+        argv += ["--num-requests", str(requests)]
+    elif t.requests is not None:
         argv += ["--num-requests", str(t.requests)]
-    if t.duration is not None:
+    if t.duration is not None and requests is None:
         argv += ["--duration", f"{t.duration:g}s"]
     argv += ["--warmup", str(t.warmup), "--seed", str(t.seed)]
     if t.dataset:

@@ -229,7 +229,7 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         if pf is not None:
             ev.append(f"server prefill time mean {_ms(pf)}")
         if s.get("num_waiting"):
-            ev.append(f"{s['num_waiting']:.0f} requests waiting at the scrape")
+            ev.append(f"up to {s['num_waiting']:.0f} requests waiting (server gauge, sampled during the run)")
         if last.input_mean:
             ev.append(f"prompts average {last.input_mean:.0f} tokens")
         causes = ["queueing: requests wait for a slot (max_num_seqs) or for KV blocks before prefill",
@@ -258,7 +258,7 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         if s.get("preemptions"):
             ev.append(f"{s['preemptions']:.0f} preemptions during the run")
         if s.get("num_running"):
-            ev.append(f"{s['num_running']:.0f} requests running at the scrape")
+            ev.append(f"up to {s['num_running']:.0f} requests running (server gauge, sampled during the run)")
         if s.get("step_time_mean") is not None:
             ev.append(f"engine step mean {_ms(s['step_time_mean'])}")
         kv_pressure = (s.get("kv_cache_usage") or 0) > 0.9 or (s.get("preemptions") or 0) > 0
@@ -290,7 +290,7 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         if rejected:
             ev.append(f"admission control rejected requests: {rejected}")
         if s.get("num_waiting"):
-            ev.append(f"{s['num_waiting']:.0f} requests waiting at the scrape")
+            ev.append(f"up to {s['num_waiting']:.0f} requests waiting (server gauge, sampled during the run)")
         hyps.append(Hypothesis(
             "TTFT and decode both degrade: the server is saturated", f"{ttft_why}; {tpot_why}",
             ["saturation: offered load beyond capacity, so queues grow without bound",

@@ -313,7 +313,7 @@ def render(card: Card, results: list[PointResult], variations: list[Variation], 
     L += ["", "## Reproduce", "", "```", command]
     try:
         L.append("# one run of the baseline by hand (start the server first):")
-        L.append("inferlab bench " + shlex.join(card_bench_argv(card)))
+        L.append("inferlab bench " + shlex.join(card_bench_argv(card, requests=requests)))
     except ValueError:
         pass
     L += ["```", ""]
