@@ -1,8 +1,9 @@
-"""The HTTP client: one aiohttp session carrying hundreds of streams, timestamping every SSE event on arrival.
+"""The client: builds each request, sends it over http.Pool's keep-alive connections and records what arrives.
 
-Work on the event loop per received block is kept to a timestamp, a split and one json.loads per event, so that
-with hundreds of streams a chunk is stamped close to when its bytes arrived; token counting by tokenizer runs
-once per request, after its stream has ended.
+Per received block the work is a timestamp (taken first, in data_received), de-chunking, an SSE split and one
+json.loads per event, so that with hundreds of streams a chunk is stamped close to when its bytes arrived;
+token counting by tokenizer runs once per request, after its stream has ended. aiohttp serves the once-per-run
+calls (preflight).
 """
 
 from __future__ import annotations
@@ -14,9 +15,19 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from inferlab.bench.http import HTTPError, Pool
 from inferlab.bench.records import RequestRecord
 from inferlab.bench.tokenizer import BenchTokenizer
 from inferlab.bench.workload import RequestSpec, messages_to_prompt
+
+
+try:  # optional: a faster parser when installed; the standard one otherwise
+    from orjson import loads as _loads
+except ImportError:
+    _std_decode = json.JSONDecoder().decode
+
+    def _loads(payload: bytes):
+        return _std_decode(payload.decode("utf-8"))  # skips json.loads' encoding sniffing on bytes
 
 
 class BenchError(RuntimeError):
@@ -113,146 +124,72 @@ def build_body(target: Target, spec: RequestSpec) -> bytes:
     return json.dumps(body).encode()
 
 
-class _Malformed(Exception):
-    pass
-
-
 class Client:
-    def __init__(self, session: aiohttp.ClientSession, target: Target, tokenizer: BenchTokenizer | None, t0: float):
-        self.session = session
+    """Sends requests over a Pool and turns what arrives into RequestRecords."""
+
+    def __init__(self, pool: Pool, target: Target, tokenizer: BenchTokenizer | None, t0: float):
+        self.pool = pool
         self.target = target
         self.tokenizer = tokenizer
         self.t0 = t0  # the run's clock origin (absolute perf_counter)
         self._headers = target.headers()
+        self._path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
 
     async def send(self, rec: RequestRecord, spec: RequestSpec) -> None:
         """Send one request and fill `rec` in place with what arrived; never raises for server faults, which
         become rec.error_kind. Cancellation propagates (the runner marks the record)."""
-        body = build_body(self.target, spec)
         headers = dict(self._headers)
         headers["X-Request-Id"] = rec.request_id
+        request = self.pool.request_bytes("POST", self._path, headers, build_body(self.target, spec))
         rec.input_len, rec.output_len = spec.input_len, spec.output_len
-        texts: list[str] = []
-        usage: list[int | None] = []
-        kinds: list[bool] = []  # True = reasoning
-        try:
-            await self._send(rec, body, headers, texts, usage, kinds)
-        finally:
-            if len(rec.chunk_tokens) != len(rec.chunk_times):  # a failed or cut stream: count what did arrive
-                self._count_tokens(rec, texts, usage, kinds)
-
-    async def _send(self, rec: RequestRecord, body: bytes, headers: dict, texts: list[str],
-                    usage: list[int | None], kinds: list[bool]) -> None:
-        perf = time.perf_counter
-        t0 = self.t0
+        state = _StreamState(rec, self.t0, self.target.endpoint == "chat")
+        perf, t0 = time.perf_counter, self.t0
+        conn = ex = None
         try:
             async with asyncio.timeout(self.target.timeout):
                 rec.sent = perf() - t0
-                async with self.session.post(self.target.url, data=body, headers=headers) as resp:
-                    rec.http_status = resp.status
-                    if resp.status != 200:
-                        text = await resp.text(errors="replace")
-                        rec.end = perf() - t0
-                        rec.error_kind, rec.error = f"http_{resp.status}", _short(text)
-                        return
-                    if not self.target.stream:
-                        raw = await resp.read()
-                        rec.end = perf() - t0
-                        self._whole(rec, raw)
-                        return
-                    done = await self._read_stream(resp, rec, texts, usage, kinds)
-                    rec.end = perf() - t0
+                conn, ex = await self.pool.start(request, state.on_event if self.target.stream else None)
+                rec.http_status = await ex.head
+                await ex.done
+            rec.end = ex.last_t - t0
+        except HTTPError as e:
+            rec.error_kind, rec.error = e.kind, _short(str(e))
+            if ex is not None and ex.last_t:
+                rec.end = ex.last_t - t0
         except TimeoutError:
             rec.error_kind, rec.error = "timeout", f"no complete response within {self.target.timeout:g} s"
-            return
-        except _Malformed as e:
-            rec.end = perf() - t0
-            rec.error_kind, rec.error = "malformed_sse", str(e)
-            return
-        except aiohttp.ClientConnectorError as e:
-            rec.error_kind, rec.error = "connection_refused", _short(str(e))
-            return
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError,
-                ConnectionError) as e:
-            rec.error_kind, rec.error = "connection_dropped", _short(f"{type(e).__name__}: {e}")
-            return
-        except aiohttp.ClientError as e:
-            rec.error_kind, rec.error = "client_error", _short(f"{type(e).__name__}: {e}")
-            return
+        finally:
+            if conn is not None:
+                self.pool.release(conn, reusable=rec.error_kind is None)
+            if len(rec.chunk_tokens) != len(rec.chunk_times):  # a failed or cut stream: count what did arrive
+                self._count_tokens(rec, state)
         if rec.error_kind:
             return
-        if not done and rec.finish_reason is None:
+        if rec.http_status != 200:
+            rec.error_kind, rec.error = f"http_{rec.http_status}", _short(ex.body.decode("utf-8", "replace"))
+            return
+        if not self.target.stream:
+            self._whole(rec, bytes(ex.body))
+            return
+        if not ex.sse:
+            rec.error_kind = "malformed_sse"
+            rec.error = f"expected text/event-stream, got {ex.headers.get('content-type', 'no content type')!r}"
+            return
+        if state.error is not None:
+            rec.error_kind, rec.error = state.error
+            return
+        if not state.done and rec.finish_reason is None:
             rec.error_kind, rec.error = "incomplete_stream", "the stream ended without [DONE] or a finish_reason"
             return
-        self._count_tokens(rec, texts, usage, kinds)
+        self._count_tokens(rec, state)
         if not rec.output_tokens:
             rec.error_kind, rec.error = "empty_response", "the stream carried no output tokens"
 
-    async def _read_stream(self, resp, rec, texts, usage, kinds) -> bool:
-        perf, t0, loads = time.perf_counter, self.t0, json.loads
-        chat = self.target.endpoint == "chat"
-        times = rec.chunk_times
-        buf = b""
-        done = False
-        async for data in resp.content.iter_any():
-            t = perf() - t0  # every event completed by this block arrived now
-            buf += data
-            if b"\r" in buf:
-                buf = buf.replace(b"\r\n", b"\n")
-            while True:
-                cut = buf.find(b"\n\n")
-                if cut < 0:
-                    break
-                event, buf = buf[:cut], buf[cut + 2:]
-                payload = _data(event)
-                if payload is None:
-                    continue
-                if payload == b"[DONE]":
-                    done = True
-                    continue
-                try:
-                    obj = loads(payload)
-                except ValueError:
-                    raise _Malformed(f"not JSON: {_short(payload.decode('utf-8', 'replace'))}") from None
-                if not isinstance(obj, dict):
-                    raise _Malformed(f"not a JSON object: {_short(payload.decode('utf-8', 'replace'))}")
-                if "error" in obj and not obj.get("choices"):
-                    err = obj["error"]
-                    rec.error_kind = "stream_error"
-                    rec.error = _short(err.get("message", str(err)) if isinstance(err, dict) else str(err))
-                    return done
-                text, reasoning = "", False
-                choices = obj.get("choices")
-                if choices:
-                    c = choices[0]
-                    if chat:
-                        d = c.get("delta") or {}
-                        text = d.get("content") or ""
-                        r = d.get("reasoning_content") or d.get("reasoning") or ""
-                        if r and not text:
-                            text, reasoning = r, True
-                    else:
-                        text = c.get("text") or ""
-                    if c.get("finish_reason"):
-                        rec.finish_reason = c["finish_reason"]
-                u = obj.get("usage")
-                if u:
-                    usage.append(u.get("completion_tokens"))
-                    rec.prompt_tokens = u.get("prompt_tokens", rec.prompt_tokens)
-                    details = u.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        rec.cached_tokens = details["cached_tokens"]
-                else:
-                    usage.append(None)
-                times.append(t)
-                texts.append(text)
-                kinds.append(reasoning)
-        return done
-
-    def _count_tokens(self, rec: RequestRecord, texts: list[str], usage: list[int | None], kinds: list[bool]) -> None:
+    def _count_tokens(self, rec: RequestRecord, st: "_StreamState") -> None:
         """Tokens per chunk from continuous usage stats when every text-carrying chunk has them, else from the
         tokenizer over the whole text, else one per non-empty chunk. The total is the server's final usage when
         it gave one."""
+        texts, usage, kinds = st.texts, st.usage, st.kinds
         if any(kinds):
             rec.reasoning = True
             rec.first_content = next((t for t, x, k in zip(rec.chunk_times, texts, kinds) if x and not k), None)
@@ -293,12 +230,62 @@ class Client:
             rec.output_tokens, rec.token_source = 1 if text else 0, "chunks"
 
 
-def _data(event: bytes) -> bytes | None:
-    """The data of one SSE event (several data lines join with a newline); None for comments and empties."""
-    if event.startswith(b"data:") and b"\n" not in event:
-        return event[5:].strip()
-    parts = [line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(parts) if parts else None
+class _StreamState:
+    """Per-request SSE handling, called from the connection's data_received: keep it to a parse and appends."""
+
+    __slots__ = ("rec", "t0", "chat", "texts", "usage", "kinds", "done", "error")
+
+    def __init__(self, rec: RequestRecord, t0: float, chat: bool):
+        self.rec, self.t0, self.chat = rec, t0, chat
+        self.texts: list[str] = []
+        self.usage: list[int | None] = []
+        self.kinds: list[bool] = []  # True = reasoning
+        self.done = False
+        self.error: tuple[str, str] | None = None
+
+    def on_event(self, t: float, payload: bytes) -> HTTPError | None:
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            obj = _loads(payload)
+        except ValueError:
+            return HTTPError("malformed_sse", f"not JSON: {_short(payload.decode('utf-8', 'replace'))}")
+        if not isinstance(obj, dict):
+            return HTTPError("malformed_sse", f"not a JSON object: {_short(payload.decode('utf-8', 'replace'))}")
+        rec = self.rec
+        if "error" in obj and not obj.get("choices"):
+            err = obj["error"]
+            msg = _short(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+            self.error = ("stream_error", msg)
+            return HTTPError("stream_error", msg)
+        text, reasoning = "", False
+        choices = obj.get("choices")
+        if choices:
+            c = choices[0]
+            if self.chat:
+                d = c.get("delta") or {}
+                text = d.get("content") or ""
+                r = d.get("reasoning_content") or d.get("reasoning") or ""
+                if r and not text:
+                    text, reasoning = r, True
+            else:
+                text = c.get("text") or ""
+            if c.get("finish_reason"):
+                rec.finish_reason = c["finish_reason"]
+        u = obj.get("usage")
+        if u:
+            self.usage.append(u.get("completion_tokens"))
+            rec.prompt_tokens = u.get("prompt_tokens", rec.prompt_tokens)
+            details = u.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                rec.cached_tokens = details["cached_tokens"]
+        else:
+            self.usage.append(None)
+        rec.chunk_times.append(t - self.t0)
+        self.texts.append(text)
+        self.kinds.append(reasoning)
+        return None
 
 
 def _short(text: str, n: int = 300) -> str:

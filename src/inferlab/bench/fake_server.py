@@ -151,7 +151,7 @@ class FakeServer:
         if self.cfg.max_concurrency and self.running >= self.cfg.max_concurrency:
             self._waiting.append(s)
         else:
-            self._admit(s, time.perf_counter())
+            self._admit(s, s.arrival)  # the schedule counts from the request's first byte, not from parsing
 
     def _admit(self, s: _Stream, now: float) -> None:
         cfg = self.cfg
@@ -286,7 +286,8 @@ class FakeServer:
 
     # --- request handling ---------------------------------------------------------------------------------
 
-    def handle(self, conn: "_Conn", method: str, path: str, headers: dict[str, str], body: bytes) -> None:
+    def handle(self, conn: "_Conn", method: str, path: str, headers: dict[str, str], body: bytes,
+               arrival: float) -> None:
         path = path.split("?", 1)[0]
         if method == "GET" and path in ("/health", "/ping"):
             return conn.send_json(200, {"status": "ok"})
@@ -330,8 +331,7 @@ class FakeServer:
         fault = self._fault_for(seq)
         rid = headers.get("x-request-id") or f"fake-{seq}"
         if fault == "http500":
-            self.log.append(_Stream(conn, rid, chat, False, 0, 0, 0, False, False, fault, time.perf_counter(),
-                                    status="http500"))
+            self.log.append(_Stream(conn, rid, chat, False, 0, 0, 0, False, False, fault, arrival, status="http500"))
             return conn.send_json(500, _err("fake server: injected internal error", "server_error"))
         count = self.cfg.count_tokens or (lambda t: len(t.split()))
         ptoks = count(prompt)
@@ -346,7 +346,7 @@ class FakeServer:
         stream = bool(req.get("stream"))
         s = _Stream(conn, rid, chat, stream, n, ptoks, cached,
                     usage_each=stream and bool(opts.get("continuous_usage_stats")),
-                    usage_last=stream and bool(opts.get("include_usage")), fault=fault, arrival=time.perf_counter())
+                    usage_last=stream and bool(opts.get("include_usage")), fault=fault, arrival=arrival)
         if stream:
             conn.start_chunks()
         self.submit(s)
@@ -397,6 +397,7 @@ class _Conn(asyncio.Protocol):
         self.buf = b""
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.first_byte = 0.0
 
     def connection_made(self, transport):
         self.transport = transport
@@ -405,6 +406,8 @@ class _Conn(asyncio.Protocol):
         self.closed = True
 
     def data_received(self, data: bytes) -> None:
+        if not self.buf:
+            self.first_byte = time.perf_counter()  # a request's arrival: its first byte, before any parsing
         self.buf += data
         while True:
             head_end = self.buf.find(b"\r\n\r\n")
@@ -426,7 +429,8 @@ class _Conn(asyncio.Protocol):
                 return
             body = self.buf[head_end + 4: head_end + 4 + length]
             self.buf = self.buf[head_end + 4 + length:]
-            self.server.handle(self, method, target, headers, body)
+            self.server.handle(self, method, target, headers, body, self.first_byte)
+            self.first_byte = time.perf_counter()
 
     def send_raw(self, status: int, body: bytes, ctype: str) -> None:
         if self.closed:

@@ -8,7 +8,7 @@ records can be lined up with a server's own timestamps (the fake server's /stats
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
@@ -53,7 +53,8 @@ class RequestRecord:
         return self.scheduled if self.scheduled is not None else self.sent
 
     def to_json(self) -> str:
-        d = asdict(self)
+        # Written on the event loop as each request ends: no dataclasses.asdict (it deep-copies every list).
+        d = {name: getattr(self, name) for name in _FIELDS}
         d["chunk_times"] = [round(t, 7) for t in self.chunk_times]
         return json.dumps(d, separators=(",", ":"))
 
@@ -61,6 +62,9 @@ class RequestRecord:
     def from_dict(cls, d: dict) -> "RequestRecord":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+_FIELDS = tuple(f.name for f in fields(RequestRecord))
 
 
 def write_records(records: Iterable[RequestRecord], f: IO[str]) -> None:

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from inferlab.bench.client import Client, Target, make_session
+from inferlab.bench.client import Client, Target
+from inferlab.bench.http import Pool
 from inferlab.bench.records import RequestRecord
 from inferlab.bench.tokenizer import load_tokenizer
 from inferlab.bench.workload import RequestSpec
@@ -106,8 +107,9 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
     t0 = plan.t0 if plan.t0 is not None else perf()
     if t0 > perf():
         await asyncio.sleep(t0 - perf())
-    async with make_session() as session:
-        client = Client(session, plan.target, tok, t0)
+    pool = Pool(plan.target.base_url)
+    try:
+        client = Client(pool, plan.target, tok, t0)
         cap = asyncio.Semaphore(plan.load.max_concurrency) if plan.load.max_concurrency else None
 
         def new(i: int, scheduled: float | None) -> RequestRecord:
@@ -177,6 +179,8 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
             await asyncio.gather(main, *inflight, return_exceptions=True)
         stopper.cancel()
         flush.cancel()
+    finally:
+        pool.close()
     if out is not None:
         out.close()
     return records, interrupted
