@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from inferlab.lab.card import card_from_dict
-from inferlab.lab.experiment import (ConfigPoint, Experiment, ExperimentError, PointResult, Variation, parse_vary,
+from inferlab.lab.experiment import (Experiment, ExperimentError, PointResult, Variation, parse_vary,
                                      plan_configs, quality_checks)
 from inferlab.lab.report import rank, render, verdict
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from inferlab.lab.fit import FitRequest, compute_bound_batch, fit, quant_scheme, weight_memory
+from inferlab.lab.fit import FitRequest, fit, quant_scheme, weight_memory
 from inferlab.lab.hardware import HARDWARE_PRESETS, GiB, resolve_hardware
 from inferlab.lab.model_presets import MODEL_PRESETS, ModelSpec, resolve_model
 

@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -215,9 +214,8 @@ def quality_checks(card: Card, q: dict | None, base: dict | None, is_baseline: b
     if not floor:
         return out
     q, base = dict(q or {}), base or {}
-    if is_baseline and q:
-        q.setdefault("greedy_agreement", 1.0)
-        q["greedy_agreement"] = q["greedy_agreement"] if q["greedy_agreement"] is not None else 1.0
+    if is_baseline and q and q.get("greedy_agreement") is None:
+        q["greedy_agreement"] = 1.0
     if "perplexity_max_increase_pct" in floor:
         lim = floor["perplexity_max_increase_pct"]
         v = None
