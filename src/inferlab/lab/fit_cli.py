@@ -64,22 +64,27 @@ def _list() -> int:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console()
     t = Table(title="model presets", title_justify="left")
-    for c in ("name", "params", "active", "layers", "heads/kv", "source"):
+    for c in ("name", "params", "active", "layers", "heads/kv", "vocab"):
         t.add_column(c)
     for s in MODEL_PRESETS.values():
         t.add_row(s.name, f"{s.num_params / 1e9:.2f} B", f"{s.active_params / 1e9:.2f} B", str(s.num_layers),
-                  f"{s.num_heads}/{s.num_kv_heads}", s.source)
+                  f"{s.num_heads}/{s.num_kv_heads}", str(s.vocab_size))
+    console.print(t)
+    for s in MODEL_PRESETS.values():
+        console.print(f"  [dim]{s.name}: {s.source}[/]")
     h = Table(title="hardware presets (dense peaks)", title_justify="left")
-    for c in ("name", "memory", "bandwidth", "bf16", "source"):
+    for c in ("name", "memory", "bandwidth", "bf16", "fp32"):
         h.add_column(c)
     for hw in HARDWARE_PRESETS.values():
         h.add_row(hw.name, f"{hw.memory_bytes / 2**30:.0f} GiB", f"{hw.bandwidth / 1e12:.2f} TB/s",
-                  f"{hw.flops['bf16'] / 1e12:.0f} TFLOP/s", hw.source)
-    h.add_row(THIS_MACHINE, "measured", "measured", "measured", "a probe run by `inferlab fit`")
-    console = Console()
-    console.print(t)
+                  f"{hw.flops['bf16'] / 1e12:.0f} TFLOP/s", f"{hw.flops['fp32'] / 1e12:.1f} TFLOP/s")
+    h.add_row(THIS_MACHINE, "measured", "measured", "measured", "measured")
     console.print(h)
+    for hw in HARDWARE_PRESETS.values():
+        console.print(f"  [dim]{hw.name}: {hw.source}[/]")
+    console.print(f"  [dim]{THIS_MACHINE}: a short probe (read bandwidth, bf16/fp32 matmul) run by `inferlab fit`[/]")
     return 0
 
 
