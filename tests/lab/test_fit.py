@@ -241,8 +241,12 @@ def test_cli_json_and_table(capsys):
     assert "has no unit" in capsys.readouterr().err
 
 
-def test_probe_measures_this_machine():
-    hw = resolve_hardware("this machine")
+def test_probe_measures_this_machine(monkeypatch):
+    from inferlab.lab import hardware
+
+    hw = hardware.probe_this_machine(seconds=0.02)
+    monkeypatch.setattr(hardware, "probe_this_machine", lambda: hw)
+    assert resolve_hardware("This Machine") is hw
     assert hw.measured and hw.name.startswith("this machine")
     assert hw.bandwidth > 0 and hw.flops["bf16"] > 0 and hw.flops["fp32"] > 0 and hw.memory_bytes > 0
     r = fit(ModelSpec("tiny", 1000, 64, 128, 2, 4, 2, 16, 512, True), hw, FitRequest(context=256))
