@@ -47,10 +47,6 @@ class Target:
     extra_body: dict = field(default_factory=dict)
     timeout: float = 600.0  # per request, seconds
 
-    @property
-    def url(self) -> str:
-        return self.base_url.rstrip("/") + ("/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions")
-
     def headers(self) -> dict[str, str]:
         # identity: a compressing proxy would otherwise buffer the stream
         h = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
@@ -149,7 +145,16 @@ class Client:
             async with asyncio.timeout(self.target.timeout):
                 rec.sent = perf() - t0
                 conn, ex = await self.pool.start(request, state.on_event if self.target.stream else None)
-                rec.http_status = await ex.head
+                try:
+                    rec.http_status = await ex.head
+                except HTTPError:
+                    if not (conn.reused and ex.status == 0):
+                        raise
+                    # A kept-alive connection the server closed as we wrote: try once on a fresh one, with the
+                    # latency clock still running from the first attempt.
+                    self.pool.release(conn, reusable=False)
+                    conn, ex = await self.pool.start(request, state.on_event if self.target.stream else None)
+                    rec.http_status = await ex.head
                 await ex.done
             rec.end = ex.last_t - t0
         except HTTPError as e:

@@ -99,6 +99,15 @@ class Exchange:
     def _dechunk(self, t: float, buf: bytes) -> None:
         pos, n = 0, len(buf)
         while pos < n:
+            if self._left == -1:  # trailers: read lines until the empty one, so no byte is left on the socket
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    self._buf = buf[pos:]
+                    return
+                if eol == pos:
+                    return self._finish()
+                pos = eol + 2
+                continue
             if self._left is None:  # expecting a chunk-size line
                 eol = buf.find(b"\r\n", pos)
                 if eol < 0:
@@ -110,7 +119,8 @@ class Exchange:
                     return self.fail(HTTPError("malformed_response", f"bad chunk size {buf[pos:eol][:20]!r}"))
                 pos = eol + 2
                 if size == 0:
-                    return self._finish()  # trailers are not used by any server we measure
+                    self._left = -1  # the last chunk: trailer lines follow, up to an empty line
+                    continue
                 self._left = size + 2  # the chunk and its CRLF
             take = min(self._left, n - pos)
             part = buf[pos: pos + min(take, max(self._left - 2, 0))]  # the chunk's bytes, not its CRLF
@@ -153,11 +163,13 @@ class Exchange:
 
     def fail(self, exc: Exception) -> None:
         self.keep_alive = False
+        # Marked as retrieved: a caller may stop at either future; awaiting one still raises.
         if not self.head.done():
             self.head.set_exception(exc)
-            self.head.exception()  # retrieved: a failure before the head is reported through `done` too
+            self.head.exception()
         if not self.done.done():
             self.done.set_exception(exc)
+            self.done.exception()
 
     def closed(self) -> None:
         """The connection closed: the end of a body read until close, else a dropped connection."""
@@ -168,13 +180,14 @@ class Exchange:
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("pool", "transport", "exchange", "alive")
+    __slots__ = ("pool", "transport", "exchange", "alive", "reused")
 
     def __init__(self, pool: "Pool"):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
         self.alive = True
+        self.reused = False  # carried an earlier response: the server may have closed it as we wrote
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -212,6 +225,7 @@ class Pool:
         while self.idle:
             c = self.idle.pop()
             if c.alive and not c.transport.is_closing():
+                c.reused = True
                 return c
         loop = asyncio.get_running_loop()
         try:
