@@ -64,7 +64,7 @@ def test_slo_gate_sets_the_exit_status(fake, bench):
 
 
 def test_sweep_list_and_automatic_saturation(fake, bench):
-    url, _ = fake(ttft=0.01, itl=0.002, max_concurrency=2)  # a server that runs two requests at a time
+    url, _ = fake(ttft=0.05, itl=0.005, max_concurrency=2)  # a server that runs two requests at a time
     rc, res, _ = bench("--base-url", url, "--sweep", "concurrency:1,2", "--num-requests", "6", "--input-len", "8",
                        "--output-len", "4")
     assert rc == 0 and [r["load"]["value"] for r in res["runs"]] == [1, 2]
@@ -74,7 +74,9 @@ def test_sweep_list_and_automatic_saturation(fake, bench):
     values = [r["load"]["value"] for r in res["runs"]]
     assert values[:3] == [1, 2, 4]
     sat = res["sweep"]["saturation"]
-    assert sat is not None and sat["value"] in (2, 4)  # throughput stops rising past the server's two slots
+    # throughput doubles from 1 to 2 users, then stops rising at the server's two slots (margins of 2x, so a
+    # noisy machine moves the detected point by one step at most)
+    assert sat is not None and sat["value"] in (2, 4, 8) and len(values) <= 5
     assert res["sweep"]["max_load_meeting_slos"]["value"] == values[-1]
     assert "throughput vs load" in (out / "report.html").read_text()
     # each load point draws its own prompts, so one point cannot warm the prefix cache for the next
