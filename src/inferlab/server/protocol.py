@@ -53,7 +53,7 @@ _TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _SamplingFields(BaseModel):
@@ -68,11 +68,12 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM extension.")
-    ignore_eos: bool = Field(False, description="vLLM extension: generate max_tokens tokens even past end-of-sequence.")
-    include_stop_str_in_output: bool = Field(False, description="vLLM extension.")
-    stream: bool = False
+    ignore_eos: bool | None = Field(False, description="vLLM extension: generate max_tokens tokens even past "
+                                                      "end-of-sequence.")
+    include_stop_str_in_output: bool | None = Field(False, description="vLLM extension.")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, description="Only 1 is supported.")
+    n: int | None = Field(1, description="Only 1 is supported.")
     cache_salt: str | None = Field(None, description="vLLM extension: requests share cached prefixes only with the same salt.")
     # Known OpenAI parameters we refuse unless left at their defaults (see _check_unsupported).
     presence_penalty: float | None = None
@@ -82,7 +83,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
 
     def _check_unsupported(self, extra: dict[str, Any]) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise invalid(f"n={self.n} is not supported: this server returns exactly one choice per request (n=1)", "n")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
@@ -107,8 +108,8 @@ class _SamplingFields(BaseModel):
                 max_tokens=max_tokens if max_tokens is not None else 16,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=self.ignore_eos,
-                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=bool(self.ignore_eos),
+                include_stop_str_in_output=bool(self.include_stop_str_in_output),
             )
         except InvalidRequestError as e:
             raise invalid(str(e), e.param) from None
