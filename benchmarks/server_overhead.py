@@ -13,6 +13,9 @@ requests got a chunk out of it, so each chunk the client receives is matched to 
                                                                                   < 5 ms p99)
   loop gap   = engine step interval - step() time (draining the inbox, handing deltas to the event loop)
 
+A last phase drops streams mid-way and counts the engine steps that still computed each request after its
+client closed (target: at most the one already running), and the time from close to engine.abort.
+
 The baseline is the same workload run offline on the engine (no server), alternated with the served runs in the
 same process: the throughput ratio (best of each) says what serving costs end to end.
 """
@@ -46,18 +49,22 @@ def percentiles(xs: list[float]) -> dict[str, float]:
 # ---------------------------------------------------------------- client (a separate process)
 
 
-async def _client(base: str, prompts: list[str], max_tokens: int) -> list[dict]:
+async def _client(base: str, prompts: list[str], max_tokens: int, drop_after: int = 0) -> list[dict]:
     import aiohttp
 
     async def one(session: aiohttp.ClientSession, prompt: str) -> dict:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         times: list[float] = []
-        rid = None
+        rid, closed = None, None
         sent = time.perf_counter()
         async with session.post(base + "/v1/completions", json=body) as r:
             r.raise_for_status()
             buf = b""
             async for data in r.content.iter_any():
+                if drop_after and len(times) >= drop_after:
+                    closed = time.perf_counter()
+                    r.close()  # drop the connection mid-stream
+                    break
                 now = time.perf_counter()
                 buf += data
                 while b"\n\n" in buf:
@@ -69,7 +76,7 @@ async def _client(base: str, prompts: list[str], max_tokens: int) -> list[dict]:
                     if chunk.get("choices"):
                         rid = chunk["id"]
                         times.append(now)
-        return {"id": rid, "sent": sent, "times": times}
+        return {"id": rid, "sent": sent, "times": times, "closed": closed}
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         return await asyncio.gather(*[one(session, p) for p in prompts])
@@ -77,7 +84,7 @@ async def _client(base: str, prompts: list[str], max_tokens: int) -> list[dict]:
 
 def client_main(args: argparse.Namespace) -> None:
     prompts = [f"Request {i}: tell me a long story about the sea." for i in range(args.concurrency)]
-    print(json.dumps(asyncio.run(_client(args.base, prompts, args.max_tokens))))
+    print(json.dumps(asyncio.run(_client(args.base, prompts, args.max_tokens, args.drop_after))))
 
 
 # ---------------------------------------------------------------- server side
@@ -108,8 +115,10 @@ def _offline(engine, prompts: list[str], max_tokens: int, tag: str) -> tuple[int
     return tokens, time.perf_counter() - t0
 
 
-def served(engine, max_num_seqs: int, concurrency: int, max_tokens: int) -> tuple[list[dict], list[tuple]]:
-    """One run through the server: (the client's per-request chunk times, the engine's per-step records)."""
+def served(engine, max_num_seqs: int, concurrency: int, max_tokens: int,
+           drop_after: int = 0) -> tuple[list[dict], list[tuple], dict[str, float]]:
+    """One run through the server: (the client's per-request chunk times, the engine's per-step records, the time
+    each aborted request reached engine.abort)."""
     import socket
 
     import uvicorn
@@ -117,16 +126,21 @@ def served(engine, max_num_seqs: int, concurrency: int, max_tokens: int) -> tupl
     from inferlab.server.api import ServerConfig, build_app
 
     # Record every step: when it returned, how long it took, and which requests got a chunk from it.
-    steps: list[tuple[float, float, list[str]]] = []
-    inner_step = engine.step
+    steps: list[tuple[float, float, list[str], list[str]]] = []
+    aborts: dict[str, float] = {}
+    inner_step, inner_abort = engine.step, engine.abort
 
     def recorded_step():
         outs = inner_step()
         steps.append((time.perf_counter(), engine.last_step_time,
-                      [o.request_id for o in outs if o.new_text or o.finished]))
+                      [o.request_id for o in outs if o.new_text or o.finished], [o.request_id for o in outs]))
         return outs
 
-    engine.step = recorded_step
+    def recorded_abort(request_id: str) -> bool:
+        aborts[request_id] = time.perf_counter()
+        return inner_abort(request_id)
+
+    engine.step, engine.abort = recorded_step, recorded_abort
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -138,20 +152,25 @@ def served(engine, max_num_seqs: int, concurrency: int, max_tokens: int) -> tupl
         time.sleep(0.01)
     try:
         out = subprocess.run([sys.executable, __file__, "--client", "--base", base, "--concurrency", str(concurrency),
-                              "--max-tokens", str(max_tokens)], capture_output=True, text=True, check=True)
+                              "--max-tokens", str(max_tokens), "--drop-after", str(drop_after)],
+                             capture_output=True, text=True, check=True)
+        if drop_after:  # wait until every dropped request is aborted (or the engine ran out of work)
+            deadline = time.monotonic() + 120
+            while len(aborts) < concurrency and engine.has_work() and time.monotonic() < deadline:
+                time.sleep(0.05)
     finally:
         server.should_exit = True
         thread.join()
-        del engine.step
-    return json.loads(out.stdout), steps
+        del engine.step, engine.abort
+    return json.loads(out.stdout), steps, aborts
 
 
 def run(args: argparse.Namespace) -> dict:
     from inferlab.engine.config import EngineConfig
     from inferlab.engine.llm_engine import LLMEngine
 
-    cfg = EngineConfig(dtype=args.dtype, max_num_seqs=max(args.concurrency, 1), kv_cache_memory=args.kv_cache_memory,
-                       max_model_len=1024)
+    cfg = EngineConfig(dtype=args.dtype, max_num_seqs=max(args.concurrency, args.disconnects, 1),
+                       kv_cache_memory=args.kv_cache_memory, max_model_len=2048)
     engine = LLMEngine(cfg)
     prompts = [f"Request {i}: tell me a long story about the sea." for i in range(args.concurrency)]
     offline(engine, prompts, 4, "warmup")
@@ -163,13 +182,13 @@ def run(args: argparse.Namespace) -> dict:
     for rep in range(args.repeats):
         tokens, seconds = offline(engine, prompts, args.max_tokens, str(rep))
         offline_rates.append(tokens / seconds)
-        requests, steps = served(engine, cfg.max_num_seqs, args.concurrency, args.max_tokens)
+        requests, steps, _ = served(engine, cfg.max_num_seqs, args.concurrency, args.max_tokens)
         served_tokens = sum(len(r["times"]) for r in requests)
         served_rates.append(served_tokens / (max(r["times"][-1] for r in requests if r["times"])
                                              - min(r["sent"] for r in requests)))
         # Chunk k of a request is matched to the k-th step that produced a chunk for it.
         step_ends: dict[str, list[float]] = {}
-        for end, _, rids in steps:
+        for end, _, rids, _ in steps:
             for rid in rids:
                 step_ends.setdefault(rid, []).append(end)
         for r in requests:
@@ -183,12 +202,27 @@ def run(args: argparse.Namespace) -> dict:
                 itl_client.append(c)
                 itl_engine.append(e)
                 itl_diff.append(c - e)
-        decode_steps = [(end, dt) for end, dt, rids in steps if rids]
+        decode_steps = [(end, dt) for end, dt, rids, _ in steps if rids]
         step_times += [dt for _, dt in decode_steps]
         loop_gap += [(b_end - a_end) - b_dt for (a_end, _), (b_end, b_dt) in zip(decode_steps, decode_steps[1:])]
 
+    # Cancellation: clients drop their streams after 3 chunks; how long until engine.abort, and how many steps still
+    # computed each dropped request after its client had gone (target: at most the one step already running).
+    requests, steps, aborts = served(engine, cfg.max_num_seqs, args.disconnects, 2048 - 64, drop_after=3)
+    abort_latency, wasted_steps = [], []
+    for r in requests:
+        if r["closed"] is None or r["id"] not in aborts:
+            continue
+        abort_latency.append(aborts[r["id"]] - r["closed"])
+        wasted_steps.append(sum(1 for end, _, _, rids in steps if end > r["closed"] and r["id"] in rids))
+
     ms = lambda xs: {k: (v * 1e3 if k != "n" else v) for k, v in percentiles(xs).items()}  # noqa: E731
     return {
+        "disconnects": {"n": args.disconnects, "aborted": len(abort_latency),
+                        "abort_latency_ms": ms(abort_latency),
+                        "steps_after_close": {"max": max(wasted_steps, default=None),
+                                              "mean": statistics.fmean(wasted_steps) if wasted_steps else None},
+                        "step_time_ms_p50": ms([dt for _, dt, _, rids in steps if rids]).get("p50")},
         "config": {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "repeats": args.repeats,
                    "dtype": str(engine.dtype).removeprefix("torch."), "model": engine.model_name,
                    "device": str(engine.device)},
@@ -209,6 +243,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--disconnects", type=int, default=16, help="streams dropped after 3 chunks in the last phase")
+    p.add_argument("--drop-after", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=2, help="offline/served pairs, alternated")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-memory", type=int, default=256 * 2**20)
@@ -237,6 +273,12 @@ def main() -> None:
     t = res["throughput"]
     print(f"throughput: served {t['served_tok_s']:.1f} tok/s vs offline {t['offline_tok_s']:.1f} tok/s "
           f"= {t['served_over_offline']:.3f}x")
+    d = res["disconnects"]
+    print(f"cancellation: {d['aborted']}/{d['n']} dropped streams aborted; close -> engine.abort "
+          f"p50 {d['abort_latency_ms'].get('p50', float('nan')):.1f} ms, max {d['abort_latency_ms'].get('max', float('nan')):.1f} ms "
+          f"(step p50 {d['step_time_ms_p50'] or float('nan'):.1f} ms); engine steps that still computed a dropped "
+          f"request after its client closed: max {d['steps_after_close']['max']}, mean "
+          f"{(d['steps_after_close']['mean'] or 0):.2f} (target <= 1)")
     print(f"target (issue 3): ITL diff p50 < 1 ms -> {res['itl_diff_ms'].get('p50', float('nan')):.3f} ms; "
           f"p99 < 5 ms -> {res['itl_diff_ms'].get('p99', float('nan')):.3f} ms")
     if args.json:

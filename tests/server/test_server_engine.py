@@ -209,7 +209,8 @@ def test_overload_64_requests_with_max_queue_4(llm):
     ok = [r for kind, _, r in results if kind == "ok"]
     rejected = [(t, e) for kind, t, e in results if kind == "429"]
     assert rejected, "64 simultaneous requests against 32 slots + 4 queue places must see 429s"
-    assert len(ok) >= MAX_NUM_SEQS + 4 - 4  # the queue bound is an estimate between steps; it never over-rejects
+    # Every free running slot is used before anything queues: the bound applies to waiting requests only.
+    assert len(ok) >= MAX_NUM_SEQS
     for e in [e for _, e in rejected]:
         assert e.response.headers["retry-after"] == "1"
         assert e.body["code"] == "rate_limit_exceeded" and "--max-queue 4" in e.body["message"]
