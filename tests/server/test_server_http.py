@@ -349,3 +349,41 @@ def test_fuzzing_the_openapi_schema_finds_no_server_error(fake_server):
     problems = fuzz_openapi(s.base, max_examples=60, negative=True)
     assert not problems, "\n\n".join(problems[:5])
     assert httpx.post(s.base + "/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+# ---------------------------------------------------------------- the CLI's own checks
+
+
+def test_api_keys_file_maps_keys_to_tenants_and_rejects_bad_files(tmp_path):
+    from inferlab.server.cli import load_api_keys
+
+    good = tmp_path / "keys.yaml"
+    good.write_text("sk-a: acme\nsk-b: bolt\n")
+    assert load_api_keys("sk-admin", good) == {"sk-admin": None, "sk-a": "acme", "sk-b": "bolt"}
+    assert load_api_keys(None, None) == {}
+    for text, words in [("[1, 2]", "mapping"), ("sk-a: ''", "non-empty"), ("sk-a: [x]", "KEY: TENANT"), (":", "mapping")]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=words):
+            load_api_keys(None, bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_api_keys(None, tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="empty"):
+        load_api_keys("  ", None)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["--api-key", ""], "--api-key is empty"),
+    (["--model", "/nonexistent/model.gguf"], "cannot load the model"),
+])
+def test_serve_refuses_bad_options_with_a_clear_message(argv, words, capsys):
+    import argparse
+
+    from inferlab.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(argv)) == 2
+    assert words in capsys.readouterr().err

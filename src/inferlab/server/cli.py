@@ -76,8 +76,14 @@ def run(args: argparse.Namespace) -> int:
     from inferlab.engine.llm_engine import LLMEngine
     from inferlab.server.api import ServerConfig, build_app
 
+    from inferlab.engine.errors import ModelLoadError
+
     engine_config = EngineConfig.from_cli_args(args)
-    engine = LLMEngine(engine_config)
+    try:
+        engine = LLMEngine(engine_config)
+    except (ModelLoadError, FileNotFoundError) as e:
+        print(f"inferlab serve: cannot load the model: {e}", file=sys.stderr)
+        return 2
     app = build_app(engine, engine_config.max_num_seqs,
                     ServerConfig(max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys))
     auth = f"{len(keys)} API key(s)" if keys else "no auth"
