@@ -75,11 +75,14 @@ class LLMEngine:
         per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()) * bs
         budget = config.kv_cache_memory
         if budget is None:
-            budget = min(2 * 2**30, int(0.25 * _available_memory(self.device)))
+            budget = min(2**30, int(0.2 * _available_memory(self.device)))
         num_blocks = max(1, budget // per_block)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if num_blocks * bs < self.max_model_len and config.max_model_len is None:
-            self.max_model_len = num_blocks * bs  # a request must always fit the pool alone
+        self.max_len_reason = "the model's maximum context length"
+        if num_blocks * bs < self.max_model_len:
+            # A request must always fit the pool alone, or it could preempt itself forever.
+            self.max_model_len = num_blocks * bs
+            self.max_len_reason = f"the KV cache pool ({num_blocks} blocks of {bs} tokens)"
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_blocks, bs, self.dtype, self.device)
@@ -128,7 +131,7 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", "prompt")
         if n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but {n + params.max_tokens} "
+                f"{self.max_len_reason} is {self.max_model_len} tokens, but {n + params.max_tokens} "
                 f"were requested ({n} in the prompt, {params.max_tokens} in max_tokens); shorten the prompt or "
                 f"lower max_tokens", "prompt" if n >= self.max_model_len else "max_tokens")
         seq = Sequence(request_id, token_ids, params, RequestMetrics(arrival_time or time.perf_counter()),

@@ -28,6 +28,7 @@ class ModelRunner:
                  device: torch.device):
         cfg = model.config
         self.model = model
+        model.pad_rows = device.type == "cpu" and next(model.parameters()).dtype == torch.float32
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks

@@ -43,8 +43,12 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, heads, dim], k/v: [T, kv_heads, dim] -> [T, heads * dim]."""
-        T = q.shape[0]
+        """q: [T, heads, dim], k/v: [T, kv_heads, dim] -> [T, heads * dim]. Rows beyond the slot mapping are
+        padding (see models/llama.py: batch_invariant_rows): neither stored nor attended, returned as zeros."""
+        T = meta.slot_mapping.shape[0]
+        if q.shape[0] > T:
+            out = self.forward(q[:T], k[:T], v[:T], meta)
+            return F.pad(out, (0, 0, 0, q.shape[0] - T))
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
