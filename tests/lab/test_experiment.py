@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -157,3 +158,27 @@ def test_experiment_on_the_bundled_model(tmp_path):
     assert base["memory"]["weight_bytes"] > 0
     report = (out / "report.md").read_text()
     assert "## 5. Acceptance verdict" in report and "`max_num_seqs=4`" in report
+
+
+def test_quality_from_a_real_eval_report(tmp_path):
+    """The adapter reads what `inferlab eval` writes (built here with eval's own functions); a config that
+    differs from the baseline only in speed options takes the baseline's eval without running one."""
+    ev = pytest.importorskip("inferlab.lab.eval")
+    from inferlab.lab.experiment import ConfigPoint, eval_quality, quality_config, quality_from_eval
+
+    agr = ev.greedy_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]], 3)
+    report = {"perplexity": {"perplexity": 12.5}, "tasks": {"accuracy": 0.4},
+              "agreement": {**asdict(agr), "task_answers_identical": None}}
+    q = quality_from_eval(report)
+    assert q == {"perplexity": 12.5, "task_accuracy": 0.4, "greedy_agreement": agr.agreement}
+    assert agr.agreement == 0.5
+
+    assert quality_config({"max_num_seqs": 8, "quantization": "int4", "quant_group_size": 64, "port": 1}) == {
+        "quantization": "int4", "quant_group_size": 64}
+    base = ConfigPoint("baseline", {}, {"quantization": "none", "max_num_seqs": 4})
+    (tmp_path / "baseline").mkdir()
+    (tmp_path / "baseline" / "eval.json").write_text(json.dumps(report))
+    point = ConfigPoint("max_num_seqs=8", {"max_num_seqs": 8}, {"quantization": "none", "max_num_seqs": 8})
+    (tmp_path / "p").mkdir()
+    got, note = eval_quality(point, base, tmp_path / "p")
+    assert got["perplexity"] == 12.5 and "same numerics as the baseline" in note

@@ -164,9 +164,27 @@ def compact(run: dict) -> dict:
 QualityFn = Callable[[ConfigPoint, ConfigPoint, Path], tuple[dict | None, str]]
 
 
+# Engine options that change no output, only speed and memory: a config differing from the baseline in these
+# alone has the baseline's quality, and eval (which runs the engine offline) is not told about them.
+NUMERICS_NEUTRAL = {"max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+                    "enable_prefix_caching", "num_threads", "device", "max_model_len"}
+
+
+def quality_config(config: dict) -> dict:
+    """The part of a server config that can change the model's outputs, as `inferlab eval` options."""
+    from dataclasses import fields as dc_fields
+
+    from inferlab.engine.config import EngineConfig
+
+    engine = {f.name for f in dc_fields(EngineConfig)}
+    return {k: v for k, v in config.items() if k in engine and k not in NUMERICS_NEUTRAL and k != "seed"}
+
+
 def eval_quality(point: ConfigPoint, baseline: ConfigPoint, out_dir: Path, model: str | None = None,
                  extra_args: list[str] | None = None) -> tuple[dict | None, str]:
-    """Quality through `inferlab eval` in a child process (the engine loads there, not in the lab). Returns
+    """Quality through `inferlab eval` in a child process (the engine loads there, not in the lab). A config
+    is compared with the baseline's saved eval (`--baseline-result`), so the baseline is evaluated once; one
+    that differs from the baseline only in speed-only options shares its quality. Returns
     ({perplexity, task_accuracy, greedy_agreement}, note) or (None, why not)."""
     import importlib.util
     import subprocess
@@ -175,17 +193,20 @@ def eval_quality(point: ConfigPoint, baseline: ConfigPoint, out_dir: Path, model
 
     if importlib.util.find_spec("inferlab.lab.eval_cli") is None:
         return None, "not measured: `inferlab eval` is not available in this installation"
+    base_json = out_dir.parent / _slug(baseline.id) / "eval.json"
+    mine = quality_config(point.config)
+    if point.id != baseline.id and mine == quality_config(baseline.config) and base_json.exists():
+        return quality_from_eval(json.loads(base_json.read_text())), "same numerics as the baseline: its eval"
     out = out_dir / "eval.json"
-    quality_keys = ("quantization", "quant_group_size", "dtype", "kv_cache_dtype", "speculative")
-    flags = config_flags({k: v for k, v in point.config.items() if k in quality_keys})
-    base = config_flags({k: v for k, v in baseline.config.items() if k in quality_keys})
-    argv = [sys.executable, "-m", "inferlab", "eval", *(["--model", model] if model else []), *flags,
-            "--json-out", str(out), *(["--baseline", " ".join(base)] if point.id != "baseline" else []),
-            *(extra_args or [])]
+    argv = [sys.executable, "-m", "inferlab", "eval", *(["--model", model] if model else []), *config_flags(mine),
+            "--json-out", str(out), *(extra_args or [])]
+    if point.id != baseline.id:
+        argv += (["--baseline-result", str(base_json)] if base_json.exists()
+                 else ["--baseline", " ".join(config_flags(quality_config(baseline.config)))])
     log = out_dir / "eval.log"
     with open(log, "wb") as f:
         code = subprocess.call(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if code != 0 or not out.exists():
+    if code not in (0, 1) or not out.exists():  # 1: eval's own gate failed, which it is not given here
         tail = log.read_text(errors="replace").splitlines()[-5:]
         return None, f"not measured: `inferlab eval` exited with code {code}: " + " | ".join(tail)
     return quality_from_eval(json.loads(out.read_text())), f"inferlab eval ({out})"
