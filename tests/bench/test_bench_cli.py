@@ -134,7 +134,8 @@ def test_bad_workload_file_is_named(bench, tmp_path, fake, capsys):
     assert rc == 2 and "bad.jsonl:2: needs a 'prompt'" in capsys.readouterr().err
 
 
-def test_ctrl_c_keeps_the_records_and_writes_the_summary(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_keeps_the_records_and_writes_the_summary(tmp_path, workers):
     env = {**os.environ, "PYTHONPATH": SRC}
     fake = subprocess.Popen([sys.executable, "-m", "inferlab", "fake-server", "--port", "0", "--ttft", "5ms",
                              "--itl", "20ms"], stdout=subprocess.PIPE, text=True, env=env)
@@ -143,14 +144,15 @@ def test_ctrl_c_keeps_the_records_and_writes_the_summary(tmp_path):
         out = tmp_path / "run"
         proc = subprocess.Popen([sys.executable, "-m", "inferlab", "bench", "--base-url", url, "--concurrency", "2",
                                  "--num-requests", "1000", "--input-len", "8", "--output-len", "10", "--quiet",
-                                 "--output-dir", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                 "--output-dir", str(out), "--workers", str(workers)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # wait until some requests have completed
-            if (out / "records.jsonl").exists() and (out / "records.jsonl").stat().st_size > 0:
+            if any(p.stat().st_size > 0 for p in out.glob("records*.jsonl")):
                 break
             time.sleep(0.2)
         time.sleep(1.5)
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C does: to bench and its workers alike
         stdout, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 130, stderr
         res = json.loads((out / "results.json").read_text())
@@ -159,6 +161,7 @@ def test_ctrl_c_keeps_the_records_and_writes_the_summary(tmp_path):
         assert run["counts"]["completed"] > 0 and run["counts"]["cancelled"] <= 2
         recs = list(read_records(out / "records.jsonl"))
         assert len(recs) == run["counts"]["completed"] + run["counts"]["cancelled"]
+        assert {r.worker for r in recs} == set(range(workers))
         assert (out / "report.html").exists()
     finally:
         fake.terminate()

@@ -256,7 +256,8 @@ class Benchmark:
     def write(self) -> Path:
         path = self.out / "results.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.results, indent=1, allow_nan=False, default=_json_default), encoding="utf-8")
+        tmp.write_text(json.dumps(_finite(self.results), indent=1, allow_nan=False, default=_json_default),
+                       encoding="utf-8")
         os.replace(tmp, path)
         return path
 
@@ -339,6 +340,17 @@ def _slo_passed(results: dict) -> bool | None:
 def _loop_name() -> str:
     loop = asyncio.get_running_loop()
     return type(loop).__module__.split(".")[0]
+
+
+def _finite(o):
+    """NaN and infinities are not JSON: they become null rather than cost the run its summary."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _json_default(o):

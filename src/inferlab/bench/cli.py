@@ -8,7 +8,6 @@ are still written).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import math

@@ -29,6 +29,7 @@ from typing import Callable
 # token per word of the fake output.
 WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " as", " was", " with", " be",
          " by", " on", " not", " he", " this", " are", " or", " his", " from", " at", " which", " but", " have")
+_WORD_BYTES = tuple(w.encode() for w in WORDS)  # plain words: their JSON form needs no escaping
 FAULTS = ("http500", "drop", "malformed", "stall")
 
 
@@ -77,6 +78,7 @@ class _Stream:
     deadlines: list[float] = field(default_factory=list)
     writes: list[float] = field(default_factory=list)
     status: str = "queued"
+    head: bytes | None = None  # the start of every SSE event of this stream
 
 
 class FakeServer:
@@ -187,7 +189,10 @@ class FakeServer:
         """The one timer: write every chunk that is due, then sleep until the next deadline."""
         self._timer, self._timer_at = None, float("inf")
         heap = self._heap
-        while heap and heap[0][0] <= time.perf_counter():
+        # Only what was due when the timer fired: if writing falls behind, the loop still gets back to reading
+        # sockets between batches, so new requests are not starved by a queue that never empties.
+        now = time.perf_counter()
+        while heap and heap[0][0] <= now:
             _, _, s = heapq.heappop(heap)
             if s.status != "running":
                 continue
@@ -222,23 +227,28 @@ class FakeServer:
         return u
 
     def _event(self, s: _Stream, start: int, size: int, last: bool) -> bytes:
-        text = self._text(start, size)
-        finish = "length" if last else None
+        """One SSE event, assembled from bytes prepared per stream: a json.dumps per chunk would make the
+        server, not the client under test, the bottleneck at hundreds of streams."""
+        if s.head is None:
+            obj = "chat.completion.chunk" if s.chat else "text_completion"
+            s.head = (b'data: {"id":' + json.dumps(s.rid).encode() + b',"object":"' + obj.encode()
+                      + b'","created":0,"model":' + json.dumps(self.cfg.model).encode() + b',"choices":[{"index":0,')
+        text = b'"' + b"".join(_WORD_BYTES[i % len(WORDS)] for i in range(start, start + size)) + b'"'
         if s.chat:
-            key = "reasoning_content" if start < self.cfg.reasoning_tokens else "content"
-            choice = {"index": 0, "delta": {key: text}, "logprobs": None, "finish_reason": finish}
-            obj = "chat.completion.chunk"
+            key = b"reasoning_content" if start < self.cfg.reasoning_tokens else b"content"
+            choice = b'"delta":{"' + key + b'":' + text + b"}"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        body = {"id": s.rid, "object": obj, "created": 0, "model": self.cfg.model, "choices": [choice]}
+            choice = b'"text":' + text
+        out = s.head + choice + (b',"logprobs":null,"finish_reason":"length"}]' if last
+                                 else b',"logprobs":null,"finish_reason":null}]')
         if s.usage_each:
-            body["usage"] = self._usage(s, start + size)
-        out = b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+            done = start + size
+            out += (b',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d'
+                    % (s.prompt_tokens, done, s.prompt_tokens + done))
+            out += (b',"prompt_tokens_details":{"cached_tokens":%d}}' % s.cached_tokens) if s.cached_tokens else b"}"
+        out += b"}\n\n"
         if s.chat and start == 0:  # like vLLM: a role-only chunk before the first token
-            role = {"id": s.rid, "object": obj, "created": 0, "model": self.cfg.model,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-            out = b"data: " + json.dumps(role, separators=(",", ":")).encode() + b"\n\n" + out
+            out = s.head + b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n' + out
         return out
 
     def _write_next(self, s: _Stream) -> None:

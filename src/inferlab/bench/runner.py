@@ -187,8 +187,9 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
 
 
 def install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """First Ctrl-C: stop sending, cancel what is in flight, keep every record and write the summary.
-    A second Ctrl-C exits at once."""
+    """First Ctrl-C (or SIGTERM): stop sending, cancel what is in flight, keep every record and write the
+    summary. A second one exits at once. SIGUSR1 is the parent's stop request to its workers: it never
+    escalates, since a worker also receives the terminal's own Ctrl-C."""
 
     def on_sigint():
         if stop.is_set():
@@ -198,6 +199,7 @@ def install_stop(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
     try:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
         loop.add_signal_handler(signal.SIGTERM, on_sigint)
+        loop.add_signal_handler(signal.SIGUSR1, stop.set)
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests), or no signals here
         pass
 
@@ -215,7 +217,8 @@ def new_loop_runner():
 # --- worker processes ---------------------------------------------------------------------------------------
 
 def _process_main(plan: WorkerPlan, next_index, done, failed, barrier, t0_value) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until the loop's own handler is in place
+    for sig in (signal.SIGINT, signal.SIGUSR1):  # until the loop's own handlers are in place
+        signal.signal(sig, signal.SIG_IGN)
     load_tokenizer(plan.tokenizer)  # before the barrier: the clock must not start while a worker is loading
     barrier.wait()
     barrier.wait()  # the parent has written the clock origin in between
@@ -259,7 +262,7 @@ async def run_processes(plans: list[WorkerPlan], stop: asyncio.Event,
             interrupted = True
             for p in procs:
                 if p.is_alive():
-                    os.kill(p.pid, signal.SIGINT)
+                    os.kill(p.pid, signal.SIGUSR1)
         if progress:
             progress(done.value, failed.value)
         await asyncio.sleep(0.2)
