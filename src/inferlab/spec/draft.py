@@ -1,0 +1,153 @@
+"""Draft-model proposals: a smaller model with the target's tokenizer proposes k tokens autoregressively.
+
+Two drafts:
+- `--draft-layers L` alone: the target's first L layers + its final norm and head. No extra weights, and no extra
+  KV either: those layers' K/V for a token are exactly the target's, so the draft reads the target's pool (all
+  computed positions are already there) and writes only positions the target's verification pass rewrites
+  before anyone attends to them.
+- `--draft-model PATH [--draft-layers L]`: another model (optionally truncated). It keeps its own paged KV pool of
+  the target pool's shape, indexed by the target's block tables (a token has the same position in both), and a
+  per-sequence count of tokens whose draft K/V are valid; it catches up on tokens it has not seen (the prompt,
+  the target's tokens after a rejection, everything after a preemption) in the first of its k batched passes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from inferlab.engine.errors import ModelLoadError
+from inferlab.engine.sampler import exponential_noise, sampling_probs
+from inferlab.engine.sequence import Sequence
+from inferlab.layers.attention import AttentionMetadata
+from inferlab.spec.proposer import Proposer, SpecPolicy
+
+
+class SpeculativeConfigError(ModelLoadError):
+    """The speculative-decoding options cannot work together (raised at startup, like a model that cannot load)."""
+
+
+class DraftProposer(Proposer):
+    def __init__(self, engine, num_speculative_tokens: int, draft_model: str | None, draft_layers: int | None,
+                 policy: SpecPolicy | None = None):
+        super().__init__(num_speculative_tokens, policy)
+        target = engine.runner.model
+        if draft_model is None:
+            if draft_layers is None:
+                raise SpeculativeConfigError("--speculative draft needs --draft-model PATH or --draft-layers L")
+            self.model, self.shared_kv = target, True
+        else:
+            self.model, self.shared_kv = _load_draft(engine, draft_model), False
+        n = self.model.config.num_layers
+        self.num_layers = n if draft_layers is None else draft_layers
+        if not 1 <= self.num_layers <= n:
+            raise SpeculativeConfigError(f"--draft-layers must be between 1 and the draft's {n} layers, "
+                                         f"got {draft_layers}")
+        self.kv_cache: torch.Tensor | None = None
+        if not self.shared_kv:
+            cfg, r = self.model.config, engine.runner
+            self.kv_cache = torch.zeros(self.num_layers, 2, r.num_blocks, r.block_size, cfg.num_kv_heads,
+                                        cfg.head_dim, dtype=r.kv_cache.dtype, device=r.kv_cache.device)
+            for i, layer in enumerate(self.model.model.layers[: self.num_layers]):
+                layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
+                layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def draft(self, engine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        bm = engine.block_manager
+        out: list[list[int]] = [[] for _ in seqs]
+        # The draft writes K/V up to position num_tokens + k - 2: those blocks must exist now. No room, no draft.
+        drafted = [i for i, (s, k) in enumerate(zip(seqs, ks)) if bm.allocate(s, s.num_tokens + k - 1)]
+        if not drafted:
+            return out
+        for i in drafted:
+            s, st = seqs[i], self.states[seqs[i].request_id]
+            if self.shared_kv:
+                st.draft_computed = s.num_tokens - 1
+            elif st.num_preemptions != s.num_preemptions:  # its blocks were freed: the draft K/V went with them
+                st.draft_computed, st.num_preemptions = 0, s.num_preemptions
+            # Positions past what the target kept held rejected proposals: the draft must redo them too.
+            st.draft_computed = min(st.draft_computed, s.num_computed_tokens)
+        # First pass: everything the draft has not seen up to the last token (one token, unless it is catching up);
+        # then one token per pass. Single-token chunks go first: they form the attention's decode group.
+        live = sorted(drafted, key=lambda i: seqs[i].num_tokens - self.states[seqs[i].request_id].draft_computed != 1)
+        starts = [self.states[seqs[i].request_id].draft_computed for i in live]
+        chunks = [seqs[i].token_ids[start:] for i, start in zip(live, starts)]
+        q: dict[int, list[torch.Tensor]] = {}
+        while live:
+            logits = self._forward(engine, [bm.table(seqs[i].request_id) for i in live], starts, chunks)
+            tokens = self._sample(engine, [seqs[i] for i in live], logits, live, q)
+            nxt: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
+            for i, start, chunk, t in zip(live, starts, chunks, tokens):
+                out[i].append(t)
+                if len(out[i]) < ks[i]:  # feed the proposal back in the next pass
+                    nxt[0].append(i)
+                    nxt[1].append(start + len(chunk))
+                    nxt[2].append([t])
+            live, starts, chunks = nxt
+        for i in drafted:
+            s = seqs[i]
+            self.states[s.request_id].draft_computed = s.num_tokens + ks[i] - 1  # the tokens, then k - 1 proposals
+            if i in q:
+                self.draft_probs[s.request_id] = torch.stack(q[i])
+        return out
+
+    def _sample(self, engine, seqs: list[Sequence], logits: torch.Tensor, index: list[int],
+                q: dict[int, list[torch.Tensor]]) -> list[int]:
+        """Greedy requests get the draft's argmax; sampled ones a draw from the draft's q, kept in q[index[j]] for
+        verification."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            probs = sampling_probs(logits[sampled], [seqs[j].params for j in sampled])
+            gens = [engine._generators.get(seqs[j].request_id) for j in sampled]
+            tokens[sampled] = (probs / exponential_noise(tuple(probs.shape), gens, probs.device)).argmax(dim=-1)
+            for row, j in enumerate(sampled):
+                q.setdefault(index[j], []).append(probs[row])
+        return tokens.tolist()
+
+    @torch.inference_mode()
+    def _forward(self, engine, tables: list[list[int]], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """One batched draft pass; chunks of one token first. Returns float32 logits at each chunk's last token."""
+        runner = engine.runner
+        bs, dev = runner.block_size, runner.device
+        B = len(chunks)
+        lens = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=B)
+        st = np.asarray(starts, dtype=np.int64)
+        cu = np.concatenate(([0], np.cumsum(lens)))
+        seq_of_token = np.repeat(np.arange(B), lens)
+        positions = np.arange(int(cu[-1])) - cu[:-1][seq_of_token] + st[seq_of_token]
+        bt = np.zeros((B, max(len(t) for t in tables)), dtype=np.int64)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        slots = bt[seq_of_token, positions // bs] * bs + positions % bs
+        ends = st + lens
+        d = int((lens == 1).sum())
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_decode_tokens=d,
+            decode=runner._group(bt[:d], st[:d], lens[:d], ends[:d]) if d else None,
+            extend=runner._group(bt[d:], st[d:], lens[d:], ends[d:]) if B > d else None,
+        )
+        ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
+        hidden = self.model.model(ids, torch.from_numpy(positions).to(dev), meta, num_layers=self.num_layers)
+        return self.model.lm_head(hidden[torch.from_numpy(cu[1:] - 1).to(dev)]).float()
+
+
+def _load_draft(engine, path: str):
+    """Load a draft model and refuse one whose vocabulary is not the target's: token ids would mean other things."""
+    from inferlab.models.loader import load_model, load_tokenizer
+
+    c = engine.config
+    loaded = load_model(path, engine.dtype, engine.device, c.quantization, c.quant_group_size)
+    n_draft, n_target = loaded.config.vocab_size, engine.model_config.vocab_size
+    if n_draft != n_target:
+        raise ModelLoadError(f"draft model {path} has a vocabulary of {n_draft} tokens but the target "
+                             f"{engine.model_name} has {n_target}: a draft must use the target's tokenizer")
+    if load_tokenizer(path).get_vocab() != engine.tokenizer.get_vocab():
+        raise ModelLoadError(f"draft model {path} has as many tokens as the target {engine.model_name} but a "
+                             f"different vocabulary: a draft must use the target's tokenizer")
+    return loaded.model
