@@ -18,6 +18,7 @@ from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
 from inferlab.engine.sequence import Sequence, SequenceStatus
 from inferlab.models.loader import load_model, load_tokenizer
+from inferlab.spec import make_proposer
 
 log = logging.getLogger("inferlab.engine")
 
@@ -92,7 +93,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_outputs: list[RequestOutput] = []
-        self.proposer = None  # speculative decoding (set up by spec/)
+        self.proposer = make_proposer(config, self)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
         log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB, KV pool %d blocks x %d tokens = %.1f MiB; "
