@@ -9,8 +9,7 @@ import sys
 
 # name -> (module, one-line help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("inferlab.engine.demo", "answer a few chat prompts offline on the bundled model, with a throughput line"),
-    "generate": ("inferlab.engine.demo_generate", "generate completions offline for prompts given on the command line"),
+    "demo": ("inferlab.engine.demo", "answer chat prompts offline on a model (default: the bundled one), with a throughput line"),
     "serve": ("inferlab.server.cli", "start the OpenAI-compatible streaming server"),
     "bench": ("inferlab.bench.cli", "load-test any OpenAI-compatible server and report latency percentiles"),
     "fake-server": ("inferlab.bench.fake_server_cli", "a deterministic OpenAI-compatible server with known timings"),
