@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import LiveServer, metric
+from server_testkit import LiveServer, fuzz_openapi, metric
 from inferlab.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -261,8 +261,6 @@ def test_bad_input_is_a_clear_4xx_and_the_next_good_request_succeeds(llm):
 
 
 def test_fuzzing_the_openapi_schema_finds_no_server_error(llm):
-    from conftest import fuzz_openapi
-
     with serve(llm, request_timeout=120) as s:
         problems = fuzz_openapi(s.base, max_examples=6, negative=False)
         assert not problems, "\n\n".join(problems[:5])

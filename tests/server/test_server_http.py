@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import FakeEngine, metric
+from server_testkit import FakeEngine, LiveServer, fuzz_openapi, metric
 
 CHAT = [{"role": "user", "content": "say something"}]
 
@@ -140,7 +140,6 @@ BAD_REQUESTS = [
 
 @pytest.fixture(scope="module")
 def shared_fake():
-    from conftest import LiveServer
     from inferlab.server.api import build_app
 
     with LiveServer(build_app(FakeEngine(), 4)) as s:
@@ -343,8 +342,6 @@ def test_openapi_schema_documents_the_routes(fake_server):
 
 
 def test_fuzzing_the_openapi_schema_finds_no_server_error(fake_server):
-    from conftest import fuzz_openapi
-
     s = fake_server(FakeEngine(max_model_len=4096), request_timeout=30)
     problems = fuzz_openapi(s.base, max_examples=60, negative=True)
     assert not problems, "\n\n".join(problems[:5])
