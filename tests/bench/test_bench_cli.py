@@ -221,3 +221,29 @@ def test_without_streaming_only_e2e_is_measured(fake, bench):
     lat = res["runs"][0]["latency"]
     assert rc == 0 and lat["e2e"]["count"] == 4 and lat["ttft"]["count"] == 0
     assert res["runs"][0]["tokens"]["output"]["mean"] == 5
+
+
+def test_duration_bounds_sending_in_both_loops(fake, bench):
+    url, _ = fake(ttft=0.002, itl=0.001)
+    rc, res, out = bench("--base-url", url, "--rate", "20", "--arrival", "constant", "--duration", "1s",
+                         "--input-len", "8", "--output-len", "2")
+    recs = list(read_records(out / "records.jsonl"))
+    assert rc == 0 and sorted(r.scheduled for r in recs) == pytest.approx([i / 20 for i in range(20)])
+    rc, res, out = bench("--base-url", url, "--concurrency", "2", "--duration", "0.5s", "--input-len", "8",
+                         "--output-len", "2")
+    recs = list(read_records(out / "records.jsonl"))
+    assert rc == 0 and recs and all(r.sent < 0.5 for r in recs)  # nothing is sent after the duration
+    assert res["runs"][0]["counts"]["completed"] == len(recs)
+
+
+def test_open_loop_cap_counts_the_wait_as_client_delay(fake, bench):
+    url, _ = fake(ttft=0.05, itl=0.005)
+    rc, res, out = bench("--base-url", url, "--rate", "inf", "--num-requests", "6", "--max-concurrency", "2",
+                         "--input-len", "8", "--output-len", "2")
+    recs = sorted(read_records(out / "records.jsonl"), key=lambda r: r.sent)
+    assert rc == 0 and all(r.scheduled == 0.0 for r in recs)
+    # the last four waited for a slot, which frees no sooner than the server's 50 ms first token
+    assert all(r.sent - r.scheduled >= 0.05 for r in recs[2:])
+    for r in recs:  # and the wait is inside TTFT: the clock started at the schedule
+        assert r.chunk_times[0] - r.scheduled >= r.sent - r.scheduled
+    assert res["runs"][0]["latency"]["client_delay"]["count"] == 6

@@ -2,10 +2,12 @@
 a feature for anyone testing a pipeline or dashboard without a model.
 
 Each request gets an absolute schedule when it is admitted: the first chunk at admit + ttft, chunk j at
-admit + ttft + j * tokens_per_chunk * itl (plus optional seeded jitter), so lateness never accumulates. One timer
-over a heap of deadlines writes every stream (no coroutine or sleep per token), with transport.write, which does
-not block; the time of every actual write is recorded and served on GET /stats, so a client is judged against
-what the server really did. Plain asyncio rather than a web framework keeps the write path a few microseconds.
+admit + ttft + j * tokens_per_chunk * itl (plus optional seeded jitter), so lateness never accumulates; "admit" is
+the kernel's receive time of the request's first byte (SO_TIMESTAMPNS), or a later moment when a full
+--max-concurrency queue held it. One timer over a heap of deadlines writes every stream (no coroutine or sleep per
+token) with non-blocking sends; the time of every actual write is recorded and served on GET /stats, so a client
+is judged against what the server really did. Raw sockets on the event loop rather than a web framework keep
+the write path a few microseconds and give recvmsg's receive timestamps.
 
 Endpoints: GET /health, /v1/models, /metrics (a few vllm: series), /stats; DELETE /stats; POST /v1/completions
 and /v1/chat/completions, streamed (SSE) or not, with stream_options.include_usage / continuous_usage_stats.
@@ -19,6 +21,9 @@ import heapq
 import itertools
 import json
 import random
+import socket
+import struct
+import sys
 import threading
 import time
 import zlib
@@ -95,7 +100,8 @@ class FakeServer:
         self.counters = collections.Counter()
         self.queue_time_sum = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.base_events.Server | None = None
+        self._lsock: socket.socket | None = None
+        self._conns: set[_Conn] = set()
         self._thread: threading.Thread | None = None
         self.port = 0
 
@@ -103,14 +109,40 @@ class FakeServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._loop = asyncio.get_running_loop()
-        self._server = await self._loop.create_server(lambda: _Conn(self), host, port, backlog=4096)
-        self.port = self._server.sockets[0].getsockname()[1]
+        lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        lsock.bind((host, port))
+        lsock.listen(4096)
+        lsock.setblocking(False)
+        self._lsock = lsock
+        self._conns: set[_Conn] = set()
+        self._loop.add_reader(lsock.fileno(), self._accept)
+        self.port = lsock.getsockname()[1]
         return self.port
 
+    def _accept(self) -> None:
+        for _ in range(256):
+            try:
+                sock, _ = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            self._conns.add(_Conn(self, sock))
+
     async def serve_forever(self) -> None:
-        assert self._server is not None
-        async with self._server:
-            await self._server.serve_forever()
+        try:
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._lsock is not None:
+            self._loop.remove_reader(self._lsock.fileno())
+            self._lsock.close()
+            self._lsock = None
+        for c in list(self._conns):
+            c.close()
 
     def start_in_thread(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Run on a background thread with its own event loop (tests); returns the base URL."""
@@ -122,8 +154,7 @@ class FakeServer:
             loop.run_until_complete(self.start(host, port))
             ready.set()
             loop.run_forever()
-            self._server.close()
-            loop.run_until_complete(self._server.wait_closed())
+            self.close()
             loop.close()
 
         self._thread = threading.Thread(target=main, name="fake-server", daemon=True)
@@ -399,27 +430,59 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
             500: "Internal Server Error"}
 
 
-class _Conn(asyncio.Protocol):
-    """One HTTP/1.1 connection: keep-alive, Content-Length bodies, chunked SSE responses."""
+# Kernel receive timestamps: a request's arrival is when its bytes reached the socket, not when this process
+# got round to reading them, so the server's own backlog is never counted against the client being measured.
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform.startswith("linux") else None)
+_CMSG_SPACE = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 0
 
-    def __init__(self, server: FakeServer):
+
+def _arrival(ancdata: list) -> float:
+    """perf_counter time of the kernel's stamp on the bytes just read (CLOCK_REALTIME, converted with an
+    offset read now), or now when the platform gives no stamp."""
+    now = time.perf_counter_ns()
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack("qq", data[:16])
+            ago = time.time_ns() - (sec * 1_000_000_000 + nsec)
+            return (now - max(ago, 0)) / 1e9
+    return now / 1e9
+
+
+class _Conn:
+    """One HTTP/1.1 connection on a non-blocking socket: keep-alive, Content-Length bodies, chunked SSE
+    responses. Raw sockets rather than an asyncio transport, for recvmsg's receive timestamps."""
+
+    def __init__(self, server: FakeServer, sock: socket.socket):
         self.server = server
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.loop = server._loop
         self.buf = b""
-        self.transport: asyncio.Transport | None = None
+        self.out = bytearray()
         self.closed = False
         self.first_byte = 0.0
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small SSE writes must not wait for Nagle
+        if _SO_TIMESTAMPNS is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+            except OSError:
+                pass
+        self.loop.add_reader(self.fd, self._readable)
 
-    def connection_made(self, transport):
-        self.transport = transport
-
-    def connection_lost(self, exc):
-        self.closed = True
-
-    def data_received(self, data: bytes) -> None:
+    def _readable(self) -> None:
+        try:
+            data, anc, _, _ = self.sock.recvmsg(1 << 18, _CMSG_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self.close()
+        if not data:
+            return self.close()
         if not self.buf:
-            self.first_byte = time.perf_counter()  # a request's arrival: its first byte, before any parsing
+            self.first_byte = _arrival(anc)  # a request's arrival: its first byte, before any parsing
         self.buf += data
-        while True:
+        while not self.closed:
             head_end = self.buf.find(b"\r\n\r\n")
             if head_end < 0:
                 return
@@ -428,8 +491,7 @@ class _Conn(asyncio.Protocol):
                 method, target, _ = lines[0].split(" ", 2)
             except ValueError:
                 self.send_json(400, _err("malformed request line", "invalid_request_error"))
-                self.abort()
-                return
+                return self.abort()
             headers = {}
             for line in lines[1:]:
                 k, _, v = line.partition(":")
@@ -440,28 +502,67 @@ class _Conn(asyncio.Protocol):
             body = self.buf[head_end + 4: head_end + 4 + length]
             self.buf = self.buf[head_end + 4 + length:]
             self.server.handle(self, method, target, headers, body, self.first_byte)
-            self.first_byte = time.perf_counter()
 
-    def send_raw(self, status: int, body: bytes, ctype: str) -> None:
+    def _write(self, data: bytes) -> None:
         if self.closed:
             return
+        if self.out:  # earlier bytes still wait for the socket: keep the order
+            self.out += data
+            return
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            return self.close()
+        if n < len(data):
+            self.out += data[n:]
+            self.loop.add_writer(self.fd, self._writable)
+
+    def _writable(self) -> None:
+        try:
+            n = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self.close()
+        del self.out[:n]
+        if not self.out:
+            self.loop.remove_writer(self.fd)
+
+    def send_raw(self, status: int, body: bytes, ctype: str) -> None:
         head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n")
-        self.transport.write(head.encode() + body)
+        self._write(head.encode() + body)
 
     def send_json(self, status: int, obj: dict) -> None:
         self.send_raw(status, json.dumps(obj).encode(), "application/json")
 
     def start_chunks(self) -> None:
-        self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                             b"Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n")
+        self._write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+                    b"Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n")
 
     def send_chunk(self, data: bytes) -> None:
-        self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self._write(b"%x\r\n%s\r\n" % (len(data), data))
 
     def end_chunks(self) -> None:
-        self.transport.write(b"0\r\n\r\n")
+        self._write(b"0\r\n\r\n")
 
     def abort(self) -> None:
+        """Drop the connection as a crashed server would: a reset, unsent bytes discarded."""
+        if not self.closed:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
-        self.transport.abort()
+        self.loop.remove_reader(self.fd)
+        if self.out:
+            self.loop.remove_writer(self.fd)
+        self.server._conns.discard(self)
+        self.sock.close()
