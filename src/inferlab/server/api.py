@@ -114,8 +114,9 @@ class _EventStream(StreamingResponse):
 
 
 def build_app(engine: Any, max_num_seqs: int, config: ServerConfig | None = None) -> FastAPI:
-    """`engine` follows LLMEngine's contract (add_request/step/abort/has_work/stats, tokenizer, model_name,
-    max_model_len); the app owns the thread that steps it from startup to shutdown."""
+    """`engine` follows LLMEngine's contract (add_request/step/abort/has_work/stats/tokenize_prompt, model_name,
+    max_model_len); the app owns the thread that steps it from startup to shutdown. `max_num_seqs` must be the
+    engine's: admission control counts free running slots with it."""
     cfg = config or ServerConfig()
     model_name: str = engine.model_name
     metrics = ServerMetrics(model_name)
