@@ -126,9 +126,18 @@ class Int4Linear(QuantLinear):
         return self._apply_scales(q, self.scales_and_zeros[:, rows if rows is not None else slice(0, n)], dtype)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        # The kernel's own bf16 (scale, zero) even for Q4_1 weights, so large and small steps agree.
-        q = unpack_int4(self.qweight, self.in_features)[: self.out_features]
-        return self._apply_scales(q, self.scales_and_zeros[:, : self.out_features], dtype)
+        """[out, in], a transposed view of a contiguous [in, out]: built in the packed layout's own order (blocks
+        of 64 rows, k-major), so the nibbles are never transposed one by one and the arithmetic runs in place.
+        Uses the kernel's bf16 (scale, zero) even for Q4_1 weights, so large and small steps agree."""
+        k, g, half = self.in_features, self.group_size, BLOCK_N // 2
+        nb = self.qweight.shape[0] // BLOCK_N
+        p = self.qweight.view(nb, k, half)
+        cdtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+        sz = self.scales_and_zeros.to(cdtype).view(k // g, nb, 1, BLOCK_N, 2).transpose(0, 1)  # [nb, K/g, 1, 64, 2]
+        w = torch.cat([p & 0xF, p >> 4], dim=2).view(nb, k // g, g, BLOCK_N).to(cdtype)  # [nb, K/g, g, 64]
+        w.sub_(8).mul_(sz[..., 0]).add_(sz[..., 1])
+        wt = w.view(nb, k, BLOCK_N).transpose(0, 1).reshape(k, nb * BLOCK_N)  # [in, out_pad]
+        return wt[:, : self.out_features].t().to(dtype)
 
     def _apply_scales(self, q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # In bf16 when the model is bf16: one rounding per operation and no fp32 temporary of the whole weight.
