@@ -182,3 +182,4 @@ def test_quality_from_a_real_eval_report(tmp_path):
     (tmp_path / "p").mkdir()
     got, note = eval_quality(point, base, tmp_path / "p")
     assert got["perplexity"] == 12.5 and "same numerics as the baseline" in note
+    assert got["greedy_agreement"] == 1.0  # identical offline numerics, identical greedy tokens

@@ -196,7 +196,9 @@ def eval_quality(point: ConfigPoint, baseline: ConfigPoint, out_dir: Path, model
     base_json = out_dir.parent / _slug(baseline.id) / "eval.json"
     mine = quality_config(point.config)
     if point.id != baseline.id and mine == quality_config(baseline.config) and base_json.exists():
-        return quality_from_eval(json.loads(base_json.read_text())), "same numerics as the baseline: its eval"
+        # Offline, the same numerics give the same greedy tokens: agreement with the baseline is 1 by construction.
+        q = {**quality_from_eval(json.loads(base_json.read_text())), "greedy_agreement": 1.0}
+        return q, "same numerics as the baseline: its eval"
     out = out_dir / "eval.json"
     argv = [sys.executable, "-m", "inferlab", "eval", *(["--model", model] if model else []), *config_flags(mine),
             "--json-out", str(out), *(extra_args or [])]

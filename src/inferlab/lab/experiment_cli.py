@@ -78,7 +78,8 @@ def write_report(exp, results, args, path: Path) -> Path:
     command = shlex.join(["inferlab", "experiment", args.card, *sum((["--vary", v] for v in args.vary), []),
                           "--repeats", str(args.repeats)]
                          + (["--requests", str(args.requests)] if args.requests else [])
-                         + (["--combine"] if args.combine else []) + (["--no-quality"] if args.no_quality else []))
+                         + (["--combine"] if args.combine else []) + (["--no-quality"] if args.no_quality else [])
+                         + (["--eval-args", args.eval_args] if args.eval_args and not args.no_quality else []))
     lines, machine = fit_lines(card, results)
     text = render(card, results, exp.variations, repeats=exp.repeats, requests=exp.requests, command=command,
                   diagnosis=diagnosis, fit_lines=lines, machine=machine)
@@ -108,7 +109,7 @@ def fit_lines(card, results) -> tuple[list[str], str]:
         if r.status != "measured":
             continue
         q = r.config.get("quantization", "none")
-        batch = t.concurrency or 1
+        batch = min(t.concurrency or 1, int(r.config.get("max_num_seqs", 1 << 30)))
         rep = fit(spec, hw, FitRequest(context=ctx, concurrency=batch, quantization=q,
                                        quant_group_size=int(r.config.get("quant_group_size", 32))))
         bound = rep.decode[-1].step_ms / 1e3
@@ -125,5 +126,5 @@ def fit_lines(card, results) -> tuple[list[str], str]:
     if lines:
         lines.insert(0, f"Roofline on {hw.name}: {hw.bandwidth / 1e9:.1f} GB/s read bandwidth, "
                         f"{hw.flops.get('bf16', 0) / 1e9:.0f} GFLOP/s bf16 ({'measured' if hw.measured else 'datasheet'}). "
-                        "Batch here is the card's concurrency cap, an upper bound on the running batch.")
+                        "Batch: the smaller of the card's concurrency and max_num_seqs, an upper bound on the running batch.")
     return lines, hw.name
