@@ -152,6 +152,17 @@ def test_shipped_data_loads_and_is_consistent():
     assert {d.kind for d in docs} == {"prose", "code"} and sum(len(d.text) for d in docs) > 10_000
 
 
+def test_continuation_prompts_are_distinct_and_spread(small_corpus):
+    llm = BigramLLM()
+    docs = ev.load_corpus(small_corpus)
+    ps = ev.continuation_prompts(llm, docs, count=5, context=40)
+    assert len(ps) == 5 and all(len(p) == 40 for p in ps) and len({tuple(p) for p in ps}) == 5
+    every = ev.continuation_prompts(llm, docs, count=1000, context=40)  # more than there are: each once
+    assert len({tuple(p) for p in every}) == len(every) == sum(len(d.text) // 40 - (len(d.text) % 40 == 0)
+                                                               for d in docs)
+    assert ps[0] == every[0] and ps[-1] == every[-1]
+
+
 def test_task_messages_are_few_shot_chat():
     m = ev.task_messages(ev.Task("x", "c", "What is 1 + 1?", ["2"]))
     assert m[0]["role"] == "system" and m[-1] == {"role": "user", "content": "What is 1 + 1?"}

@@ -213,7 +213,8 @@ def continuation_prompts(llm: EvalModel, docs: list[Document], count: int = 24, 
     starts = [(i, s) for i, ids in enumerate(per_doc) for s in range(0, len(ids) - context, context)]
     if not starts:
         return []
-    pick = [starts[round(j * (len(starts) - 1) / max(count - 1, 1))] for j in range(min(count, len(starts)))]
+    n = min(count, len(starts))
+    pick = [starts[round(j * (len(starts) - 1) / max(n - 1, 1))] for j in range(n)]
     return [per_doc[i][s : s + context] for i, s in pick]
 
 

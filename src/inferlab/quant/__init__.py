@@ -21,8 +21,8 @@ from inferlab.quant.linear import QuantLinear
 
 SCHEMES = ("none", "int8", "int4")
 # The tied embedding/LM head's scheme per model scheme. int4 keeps it int8, as llama.cpp's Q4_1 files keep it
-# Q8_0: measured on SmolLM2-135M (benchmarks/quantization.py), an int4 head costs more perplexity than all the
-# int4 layers together, while int8 costs little speed at one token.
+# Q8_0. Measured on SmolLM2-135M, corpus perplexity vs none (bf16) 10.615: int4 layers + int8 head 10.634
+# (+0.2%), int4 layers + int4 head 11.240 (+5.9%): the 4-bit head costs 30x more than all 4-bit layers together.
 HEAD_SCHEME = {"int8": "int8", "int4": "int8"}
 
 __all__ = ["SCHEMES", "HEAD_SCHEME", "Int4Linear", "Int8Linear", "QuantEmbedding", "QuantLinear", "RawGGUFWeight",
