@@ -26,7 +26,7 @@ from inferlab.quant.int8 import Int8Linear, quantize_int8  # noqa: E402
 
 SHAPES = {"qkv_proj": (576, 960), "o_proj": (576, 576), "gate_up_proj": (576, 3072), "down_proj": (1536, 576),
           "lm_head": (576, 49152)}
-TOKENS = [1, 4, 8, 16, 32, 64, 256, 512]
+TOKENS = [1, 4, 8, 16, 32, 48, 64, 128, 256, 512]
 
 
 def time_ms(fn, budget_s: float = 0.15, repeats: int = 7) -> float:
@@ -220,6 +220,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="what", required=True)
     pk = sub.add_parser("kernels")
     pk.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
+    pk.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, = cores)")
     pk.add_argument("--json", type=Path)
     pm = sub.add_parser("model")
     pm.add_argument("--schemes", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"])
@@ -233,6 +234,8 @@ def main() -> int:
     pm.add_argument("--profile", action="store_true", help="add torch.profiler's top ops for batch-1 decode")
     pm.add_argument("--json", type=Path)
     args = p.parse_args()
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     res = bench_kernels(args.tokens) if args.what == "kernels" else bench_model(args)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))

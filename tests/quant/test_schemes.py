@@ -72,7 +72,7 @@ def _layers(w):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 40])  # both sides of max_kernel_tokens
+@pytest.mark.parametrize("tokens", [1, 3, 9, 40, 120])  # both sides of each scheme's max_kernel_tokens
 def test_forward_equals_dequantized_matmul(dtype, tokens):
     w = _weights(2, n=200)  # 200 rows: int4 pads to 256 and slices the outputs back
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
@@ -94,6 +94,20 @@ def test_kernel_and_dense_paths_agree():
         layer.max_kernel_tokens = 0
         dense = layer(x)  # dequantize + dense matmul
         assert torch.allclose(small.float(), dense.float(), atol=0.02 * dense.abs().max().item())
+
+
+def test_dynamic_activation_path_is_close_and_row_independent(monkeypatch):
+    monkeypatch.setattr(Int8Linear, "dynamic_activations", True)
+    layer = Int8Linear.from_float(_weights(4))
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(40, 256, generator=g), torch.randn(40, 256, generator=g)
+    b[0] = a[0]
+    ya, yb = layer(a.bfloat16()), layer(b.bfloat16())
+    assert torch.equal(ya[0], yb[0])  # per-token scales + exact int32 sums: a row ignores its neighbours
+    ref = a.bfloat16().double() @ layer.dequantize().double().T
+    assert (ya.double() - ref).abs().max() / ref.abs().max() < 0.03  # int8 activations: ~1% error
+    monkeypatch.setattr(Int8Linear, "dynamic_activations", False)
+    assert not torch.equal(layer(a.bfloat16()), ya)  # the switch really changes the path
 
 
 def test_forward_keeps_leading_dims():

@@ -68,9 +68,9 @@ def unpack_int4(packed: torch.Tensor, k: int, rows: torch.Tensor | None = None) 
 
 class Int4Linear(QuantLinear):
     scheme = "int4"
-    # Crossover measured with benchmarks/quantization.py kernels: the int4 kernel beats bf16 up to ~8 tokens
-    # (2-3x at 1 token) and loses from 16; dequantizing costs ~3 elementwise passes over the weight.
-    max_kernel_tokens = 8
+    # Measured with benchmarks/quantization.py kernels: the int4 kernel beats bf16 up to ~8 tokens (1.5-2x at 1
+    # token) and beats dequantize + bf16 matmul up to ~64-96 (dequantizing costs ~6 passes over the weight).
+    max_kernel_tokens = 96
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int, out_features: int,
                  group_size: int, q4_1_dm: torch.Tensor | None = None):
@@ -133,9 +133,11 @@ class Int4Linear(QuantLinear):
         nb = self.qweight.shape[0] // BLOCK_N
         p = self.qweight.view(nb, k, half)
         cdtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+        # Contiguous scale and zero: broadcasting a strided operand over the weight is ~10x slower (measured).
         sz = self.scales_and_zeros.to(cdtype).view(k // g, nb, 1, BLOCK_N, 2).transpose(0, 1)  # [nb, K/g, 1, 64, 2]
+        scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()
         w = torch.cat([p & 0xF, p >> 4], dim=2).view(nb, k // g, g, BLOCK_N).to(cdtype)  # [nb, K/g, g, 64]
-        w.sub_(8).mul_(sz[..., 0]).add_(sz[..., 1])
+        w.sub_(8).mul_(scale).add_(zero)
         wt = w.view(nb, k, BLOCK_N).transpose(0, 1).reshape(k, nb * BLOCK_N)  # [in, out_pad]
         return wt[:, : self.out_features].t().to(dtype)
 

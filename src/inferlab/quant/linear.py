@@ -40,7 +40,7 @@ class QuantLinear(nn.Module):
         if x2.shape[0] <= self.max_kernel_tokens and self.kernel_available():
             y = self._kernel_mm(x2.to(KERNEL_DTYPE)).to(x.dtype)
         else:
-            y = F.linear(x2, self.dense_weight(x.dtype))
+            y = self.dense_mm(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_available(self) -> bool:
@@ -54,6 +54,10 @@ class QuantLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full weight [out, in] as the quantized values represent it."""
         return self.dequantize_rows(None, dtype)
+
+    def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The large-step path: x [T, in] -> [T, out]."""
+        return F.linear(x, self.dense_weight(x.dtype))
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the kernel multiplies by, built fast for the large-step path (default: `dequantize`)."""
