@@ -138,16 +138,17 @@ class DraftProposer(Proposer):
 
 
 def _load_draft(engine, path: str):
-    """Load a draft model and refuse one whose vocabulary is not the target's: token ids would mean other things."""
+    """Load a draft model, refusing one whose vocabulary is not the target's: its token ids would mean other
+    things. The vocabulary is checked before the weights are read."""
+    from inferlab.models.config import read_model_config
     from inferlab.models.loader import load_model, load_tokenizer
 
-    c = engine.config
-    loaded = load_model(path, engine.dtype, engine.device, c.quantization, c.quant_group_size)
-    n_draft, n_target = loaded.config.vocab_size, engine.model_config.vocab_size
+    n_draft, n_target = read_model_config(path).vocab_size, engine.model_config.vocab_size
     if n_draft != n_target:
         raise ModelLoadError(f"draft model {path} has a vocabulary of {n_draft} tokens but the target "
                              f"{engine.model_name} has {n_target}: a draft must use the target's tokenizer")
     if load_tokenizer(path).get_vocab() != engine.tokenizer.get_vocab():
         raise ModelLoadError(f"draft model {path} has as many tokens as the target {engine.model_name} but a "
                              f"different vocabulary: a draft must use the target's tokenizer")
-    return loaded.model
+    c = engine.config
+    return load_model(path, engine.dtype, engine.device, c.quantization, c.quant_group_size).model
