@@ -73,8 +73,14 @@ def test_tiny_pool_preempts_and_still_matches(alone):
 def test_bad_requests_do_not_disturb_running_ones(llm_fp32, alone):
     prompts, expected = alone
     eng = llm_fp32.engine
+    got: dict[str, list[int]] = {}
+
+    def collect(outputs):
+        for out in outputs:
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+
     eng.add_request("good-a", prompts[1], GREEDY)
-    eng.step()
+    collect(eng.step())
     with pytest.raises(InvalidRequestError, match="maximum context length is 8192"):
         eng.add_request("long", [5] * 9000, GREEDY)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
@@ -84,10 +90,8 @@ def test_bad_requests_do_not_disturb_running_ones(llm_fp32, alone):
     with pytest.raises(InvalidRequestError, match="empty"):
         eng.add_request("empty", "", GREEDY)
     eng.add_request("good-b", prompts[2], GREEDY)
-    got: dict[str, list[int]] = {}
     while eng.has_work():
-        for out in eng.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        collect(eng.step())
     assert got == {"good-a": expected[1], "good-b": expected[2]}
 
 

@@ -1,0 +1,230 @@
+"""Side-by-side: inferlab's server against vLLM's CPU build and llama.cpp's server, same model, same machine,
+same `inferlab bench` workloads, one target at a time.
+
+    python benchmarks/peers.py                       # all targets, all workloads, table to stdout + --out JSON
+    python benchmarks/peers.py --targets inferlab,inferlab-int4 --workloads c1,c16 --quick
+
+Peers live in throwaway venvs, never in the project's dependencies:
+  vllm      ../shared/peers/vllm-cpu.sh PORT  (venv under $PEER_DIR, default /tmp/peer-vllm)
+  llamacpp  python -m llama_cpp.server from a venv with `pip install 'llama-cpp-python[server]'`
+            (default /tmp/peer-llamacpp/venv; built from the package's bundled llama.cpp sources)
+For each run the CPU time used by anything other than the server and the bench client is recorded from /proc, since
+a busy second core changes every figure on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> (concurrency, requests, input tokens, output tokens)
+WORKLOADS = {
+    "c1": (1, 12, 128, 128),
+    "c16": (16, 48, 128, 128),
+    "c64": (64, 128, 128, 128),
+    "prefill": (8, 24, 1000, 128),
+}
+
+
+@dataclass
+class Target:
+    name: str
+    command: list[str]
+    model_name: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gguf_path() -> str:
+    sys.path.insert(0, str(ROOT / "src"))
+    from inferlab.models.bundled import bundled_model_path
+
+    return str(bundled_model_path())
+
+
+def targets(port: int, extra: dict[str, list[str]]) -> dict[str, Target]:
+    py = sys.executable
+    serve = [py, "-m", "inferlab", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    llama_venv = Path(os.environ.get("LLAMACPP_VENV", "/tmp/peer-llamacpp/venv"))
+    shared = ROOT.parent / "shared" / "peers" / "vllm-cpu.sh"
+    return {
+        "inferlab": Target("inferlab", serve + extra.get("inferlab", [])),
+        "inferlab-int4": Target("inferlab-int4", serve + ["--quantization", "int4"] + extra.get("inferlab-int4", [])),
+        "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
+        "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
+                                        gguf_path(), "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
+                                        "--n_ctx", "8192", "--model_alias", "smollm2"] + extra.get("llamacpp", []),
+                           "smollm2"),
+    }
+
+
+def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not ready after {deadline_s:.0f}s")
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    idle = vals[3] + vals[4]
+    return sum(vals) - idle, sum(vals)
+
+
+def tree_jiffies(pid: int) -> int:
+    """utime + stime of a process and all its descendants (live ones)."""
+    total = 0
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            stat = (p / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        ppid, ut, st = int(fields[1]), int(fields[11]), int(fields[12])
+        if int(p.name) == pid or _descends(int(p.name), pid):
+            total += ut + st
+    return total
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    seen = 0
+    while pid > 1 and seen < 64:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        pid = int(fields[1])
+        if pid == ancestor:
+            return True
+        seen += 1
+    return False
+
+
+def run_bench(base_url: str, model: str | None, wl: str, outdir: Path, quick: bool) -> tuple[dict, float]:
+    conc, n, inp, out = WORKLOADS[wl]
+    if quick:
+        n = max(conc, n // 3)
+    cmd = [sys.executable, "-m", "inferlab", "bench", "--base-url", base_url, "--concurrency", str(conc),
+           "--num-requests", str(n), "--input-len", str(inp), "--output-len", str(out), "--ignore-eos",
+           "--warmup", str(min(conc, 4)), "--output-dir", str(outdir), "--quiet", "--no-html"]
+    if model:
+        cmd += ["--model", model]
+    busy0, tot0 = cpu_jiffies()
+    client = subprocess.Popen(cmd, cwd=ROOT)
+    client.wait()
+    busy1, tot1 = cpu_jiffies()
+    res = json.loads((outdir / "results.json").read_text())
+    return res, (busy1 - busy0) / max(1, tot1 - tot0)
+
+
+def summarize(res: dict) -> dict:
+    run = res["runs"][0]
+    lat = run["latency"]
+
+    def p(metric: str, q: str) -> float | None:
+        v = (lat.get(metric) or {}).get(q)
+        return None if v is None else 1000 * v
+
+    return {
+        "output_tokens_per_s": run["throughput"]["output_tokens_per_s"],
+        "ttft_p50_ms": p("ttft", "p50"), "ttft_p99_ms": p("ttft", "p99"),
+        "itl_p50_ms": p("itl", "p50"), "itl_p99_ms": p("itl", "p99"),
+        "tpot_p50_ms": p("tpot", "p50"),
+        "errors": run["counts"]["failed"],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", default="inferlab,inferlab-int4,vllm,llamacpp")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--quick", action="store_true", help="a third of the requests per workload")
+    ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--out", default="bench-results/peers.json")
+    args = ap.parse_args()
+
+    results: dict[str, dict] = {}
+    for name in args.targets.split(","):
+        port = free_port()
+        t = targets(port, {})[name]
+        log = tempfile.NamedTemporaryFile("w+", prefix=f"peer-{name}-", suffix=".log", delete=False)
+        print(f"== {name}: {' '.join(t.command)} (log {log.name})", flush=True)
+        proc = subprocess.Popen(t.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(base, proc, args.ready_timeout)
+            for wl in args.workloads.split(","):
+                outdir = Path(tempfile.mkdtemp(prefix=f"peer-{name}-{wl}-"))
+                server0 = tree_jiffies(proc.pid)
+                busy0, tot0 = cpu_jiffies()
+                res, busy_frac = run_bench(base, t.model_name, wl, outdir, args.quick)
+                busy1, tot1 = cpu_jiffies()
+                server_frac = (tree_jiffies(proc.pid) - server0) / max(1, tot1 - tot0)
+                row = summarize(res)
+                row["machine_busy_frac"] = busy_frac
+                row["server_cpu_frac"] = server_frac
+                results.setdefault(name, {})[wl] = row
+                print(f"   {wl:8s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
+                      f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
+                      f"busy {busy_frac:.2f} (server {server_frac:.2f})", flush=True)
+        except RuntimeError as e:
+            print(f"   {name}: {e}; see {log.name}", flush=True)
+            results[name] = {"error": str(e)}
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(proc.pid, signal.SIGKILL)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict) -> None:
+    wls = sorted({wl for r in results.values() for wl in r if wl != "error"}, key=list(WORKLOADS).index)
+    print("\n| workload | target | output tok/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | ITL p99 | vs inferlab |")
+    print("|---|---|---|---|---|---|---|---|")
+    for wl in wls:
+        base = results.get("inferlab", {}).get(wl, {}).get("output_tokens_per_s")
+        for name, r in results.items():
+            row = r.get(wl)
+            if not row:
+                continue
+            ratio = f"{base / row['output_tokens_per_s']:.2f}x" if base and name != "inferlab" else ""
+            f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
+            print(f"| {wl} | {name} | {row['output_tokens_per_s']:.1f} | {f(row['ttft_p50_ms'])} | "
+                  f"{f(row['ttft_p99_ms'])} | {f(row['itl_p50_ms'])} | {f(row['itl_p99_ms'])} | {ratio} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
