@@ -9,7 +9,7 @@ from inferlab import SamplingParams
 from inferlab.spec import SpecPolicy, make_proposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-ALWAYS = SpecPolicy(max_batch=1000, min_acceptance=0.0)  # speculate every step: every step verifies
+ALWAYS = SpecPolicy(always=True)  # speculate every step: every step verifies
 
 TEXTS = [
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\ndef fib_memo(n, memo={}):\n",

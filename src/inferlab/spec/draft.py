@@ -43,6 +43,8 @@ class DraftProposer(Proposer):
         if not 1 <= self.num_layers <= n:
             raise SpeculativeConfigError(f"--draft-layers must be between 1 and the draft's {n} layers, "
                                          f"got {draft_layers}")
+        # Both passes read their layers and head once per step: their weight bytes are their relative cost.
+        self._draft_cost = _weight_bytes(self.model, self.num_layers) / _weight_bytes(target, target.config.num_layers)
         self.kv_cache: torch.Tensor | None = None
         if not self.shared_kv:
             cfg, r = self.model.config, engine.runner
@@ -51,6 +53,10 @@ class DraftProposer(Proposer):
             for i, layer in enumerate(self.model.model.layers[: self.num_layers]):
                 layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
                 layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+
+    @property
+    def draft_cost(self) -> float:
+        return self._draft_cost
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -135,6 +141,11 @@ class DraftProposer(Proposer):
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
         hidden = self.model.model(ids, torch.from_numpy(positions).to(dev), meta, num_layers=self.num_layers)
         return self.model.lm_head(hidden[torch.from_numpy(cu[1:] - 1).to(dev)]).float()
+
+
+def _weight_bytes(model, num_layers: int) -> int:
+    modules = [*model.model.layers[:num_layers], model.lm_head]
+    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
 def _load_draft(engine, path: str):

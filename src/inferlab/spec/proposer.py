@@ -14,17 +14,42 @@ from inferlab.engine.sequence import Sequence
 from inferlab.spec.verify import verify_proposals
 
 
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verification of k proposals yields when each is accepted with probability `acceptance`
+    (Leviathan et al. 2023): 1 + a + a^2 + ... + a^k."""
+    return float(k + 1) if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
 @dataclass(slots=True)
 class SpecPolicy:
-    """When speculation does not pay, skip it. Verifying k proposals costs the target k extra tokens of compute in
-    the step; that is nearly free while decode is memory-bound (small batches) and a loss once the step is
-    compute-bound (large batches) or when proposals are rejected. benchmarks/speculative.py measures both."""
+    """When speculation does not pay, skip it: a cost model in units of a one-token decode step.
 
-    max_batch: int = 8  # no speculation in a step with more decoding sequences than this
-    min_acceptance: float = 0.3  # a sequence whose acceptance-rate average falls below this ...
-    cooldown_steps: int = 16  # ... sits out this many steps, then tries again from `initial_acceptance`
+    A step with n tokens costs 1 + token_cost * n (decode reads all weights once whatever n is, then pays per
+    token); each batched draft pass costs draft_cost of a target pass (its share of the weights). A step of B
+    decoding sequences, some speculating k_i tokens with running acceptance a_i, yields
+    B + sum(expected_tokens(a_i, k_i) - 1) tokens. Speculate when that per unit of cost beats B / (1 + token_cost*B).
+    Checked per sequence first (a sequence whose own acceptance cannot pay sits out `cooldown_steps`, then tries
+    again from `initial_acceptance`), then for the step (larger batches make every extra token dearer).
+    """
+
+    # Measured by `benchmarks/speculative.py --only steptime` (bfloat16, one thread, 2-core EPYC): decode steps cost
+    # about 100 ms + 5.5 ms per token, so 0.06. A GPU at small batch is nearer 0.005: speculation pays longer.
+    token_cost: float = 0.06
     initial_acceptance: float = 0.5
+    cooldown_steps: int = 16
     ema_weight: float = 0.3  # weight of the latest verification in the running acceptance rate
+    always: bool = False  # speculate every step whatever it costs (tests, and the benchmark's "always" rows)
+
+    def pays(self, num_decoding: int, acceptances: list[float], ks: list[int], draft_cost: float) -> bool:
+        if self.always:
+            return True
+        if not ks:
+            return False
+        c = self.token_cost
+        plain = num_decoding / (1 + c * num_decoding)
+        tokens = num_decoding + sum(expected_tokens(a, k) - 1 for a, k in zip(acceptances, ks))
+        cost = 1 + c * (num_decoding + sum(ks)) + draft_cost * max(ks) * (1 + c * len(ks))
+        return tokens / cost > plain
 
 
 @dataclass(slots=True)
@@ -41,9 +66,14 @@ class Proposer:
         self.policy = policy or SpecPolicy()
         self.states: dict[str, SeqSpecState] = {}
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q of its pending proposals
-        # The off switch, counted: steps skipped for the batch size, sequence-steps skipped for low acceptance.
-        self.num_steps_skipped_batch = 0
+        # The off switch, counted: steps where speculating would not pay, sequence-steps sat out for low acceptance.
+        self.num_steps_skipped = 0
         self.num_seq_steps_cooling = 0
+
+    @property
+    def draft_cost(self) -> float:
+        """One draft pass over a batch, as a fraction of a target pass over it (0: drafting needs no model)."""
+        return 0.0
 
     def draft(self, engine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] proposed tokens for each sequence (may set self.draft_probs for sampled requests)."""
@@ -52,17 +82,12 @@ class Proposer:
     # -- called by the engine ---------------------------------------------------------------------------------
     def propose(self, engine, running: list[Sequence]) -> None:
         """Set spec_token_ids on the running sequences that should speculate in the next step."""
-        old = self.states
-        self.states = {s.request_id: old.get(s.request_id) or SeqSpecState(self.policy.initial_acceptance)
+        old, policy = self.states, self.policy
+        self.states = {s.request_id: old.get(s.request_id) or SeqSpecState(policy.initial_acceptance)
                        for s in running}
         self.draft_probs = {}
         # Only sequences that are decoding (all but the last token computed); a prefill is still catching up.
         decoding = [s for s in running if s.num_computed_tokens == s.num_tokens - 1 and not s.is_finished]
-        if not decoding:
-            return
-        if len(decoding) > self.policy.max_batch:
-            self.num_steps_skipped_batch += 1
-            return
         seqs, ks = [], []
         for s in decoding:
             st = self.states[s.request_id]
@@ -70,16 +95,29 @@ class Proposer:
                 st.cooldown -= 1
                 self.num_seq_steps_cooling += 1
                 if not st.cooldown:
-                    st.acceptance = self.policy.initial_acceptance
+                    st.acceptance = policy.initial_acceptance
                 continue
             # All k accepted yields k + 1 tokens: never propose past max_tokens or the context length.
             k = min(self.k, s.params.max_tokens - s.num_output_tokens - 1, engine.max_model_len - s.num_tokens - 1)
-            if k > 0:
-                seqs.append(s)
-                ks.append(k)
-        if seqs:
-            for s, proposal in zip(seqs, self.draft(engine, seqs, ks)):
-                s.spec_token_ids = proposal
+            if k <= 0:
+                continue
+            if not policy.pays(1, [st.acceptance], [k], self.draft_cost):
+                st.cooldown = policy.cooldown_steps
+                continue
+            seqs.append(s)
+            ks.append(k)
+        if self.draft_cost == 0 and seqs:  # free to draft: decide on what was actually proposed
+            proposals = self.draft(engine, seqs, ks)
+            ks = [len(p) for p in proposals]
+        if not any(ks):
+            return
+        if not policy.pays(len(decoding), [self.states[s.request_id].acceptance for s in seqs], ks, self.draft_cost):
+            self.num_steps_skipped += 1
+            return
+        if self.draft_cost > 0:
+            proposals = self.draft(engine, seqs, ks)
+        for s, proposal in zip(seqs, proposals):
+            s.spec_token_ids = proposal
 
     def verify(self, engine, inputs, logits: torch.Tensor) -> list[list[int]]:
         """Tokens to append for each of inputs.sample_seqs: accepted proposals + the target's next token."""
@@ -113,6 +151,4 @@ class Proposer:
             if st is not None:
                 w = self.policy.ema_weight
                 st.acceptance = (1 - w) * st.acceptance + w * a / k
-                if st.acceptance < self.policy.min_acceptance:
-                    st.cooldown = self.policy.cooldown_steps
         return [tokens for _, tokens in results]
