@@ -22,13 +22,14 @@ CHAT = [
 
 
 def hf_generate(hf_model, ids: list[int], n: int) -> list[int]:
-    """Greedy continuation by transformers, never stopping at EOS (the engine's ignore_eos)."""
-    from transformers import GenerationConfig
-
-    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = hf_model.generate(torch.tensor([ids]), generation_config=cfg,
-                            attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
+    """Greedy continuation by transformers' model with its own KV cache, never stopping at EOS (the engine's
+    ignore_eos; `generate` would stop there whatever its config says)."""
+    out = hf_model(torch.tensor([ids]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
 
 
 def _ids(llm, prompt) -> list[int]:
