@@ -14,23 +14,23 @@ from inferlab.spec import SpecPolicy
 from speclib import GREEDY, TEXTS, generate, speculating
 
 # A draft of the target's first 29 of 30 layers agrees with it on about half the tokens (both the accept and the
-# reject paths run); 2 layers agree on almost none but cost little. SmolLM2-135M's shallow layers predict poorly.
-DRAFTS = (29, 2)
+# reject paths run); 2 layers agree on almost none but cost little (SmolLM2-135M's shallow layers predict poorly).
+# Greedy identity does not depend on the draft's quality: the target rewrites every position it verifies.
 
 
-def method(name: str, k: int, i: int = 0) -> dict:
-    """n-gram lookup, or a draft of DRAFTS[i % 2] layers."""
+def method(name: str, k: int, draft_layers: int = 29) -> dict:
     if name == "ngram":
         return dict(speculative="ngram", num_speculative_tokens=k)
-    return dict(speculative="draft", num_speculative_tokens=k, draft_layers=DRAFTS[i % 2])
+    return dict(speculative="draft", num_speculative_tokens=k, draft_layers=draft_layers)
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft"])
 def test_greedy_alone_is_unchanged_for_k_1_to_8(llm, prompts, expected, name):
     proposed = accepted = 0
     for i, p in enumerate(prompts):
-        k = 1 + i % 8  # every K twice over the 16 prompts, once with each draft
-        with speculating(llm, **method(name, k, i + i // 8)):
+        k = 1 + i % 8  # every K twice over the 16 prompts
+        # The 29-layer draft costs k near-full passes per step: it gets K = 1..4 once, the 2-layer one the rest.
+        with speculating(llm, **method(name, k, 29 if i < 4 else 2)):
             out = generate(llm, [p])[0]
         assert out.token_ids == expected[i], f"{name} K={k} changed prompt {i}: {TEXTS[i]!r}"
         proposed, accepted = proposed + out.spec_proposed, accepted + out.spec_accepted
@@ -43,7 +43,7 @@ def test_greedy_in_batches_is_unchanged_for_k_1_to_8(llm, prompts, expected, nam
         # The draft costs up to k forward passes per step: it gets batches of 4, n-gram lookup batches of 8.
         size = 4 if name == "draft" else 8
         chosen = [(k * size + j) % len(prompts) for j in range(size)]  # each prompt in several batches
-        with speculating(llm, **method(name, k, k + 1)):  # the 29-layer draft at odd K
+        with speculating(llm, **method(name, k, 29 if k in (1, 3) else 2)):
             outs = generate(llm, [prompts[i] for i in chosen])
         for i, out in zip(chosen, outs):
             assert out.token_ids == expected[i], f"{name} K={k} changed prompt {i} in a batch"

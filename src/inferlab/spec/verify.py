@@ -77,10 +77,7 @@ def verify_proposals(logits: torch.Tensor, rows_per_seq: list[int], proposals: l
     # Row of position j (0..K) for each sequence; padding positions repeat the last real row.
     kk = torch.tensor(ks, device=dev)
     row_idx = starts.unsqueeze(1) + torch.minimum(torch.arange(K + 1, device=dev).unsqueeze(0), kk.unsqueeze(1))
-    drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
-    for i, p in enumerate(proposals):
-        if p:
-            drafts[i, : len(p)] = torch.tensor(p, device=dev)
+    drafts = torch.tensor([p + [0] * (K - len(p)) for p in proposals], dtype=torch.long, device=dev).view(B, K)
 
     greedy_tok = logits.argmax(dim=-1)[row_idx]  # [B, K+1]
     match = (drafts == greedy_tok[:, :K]) & (torch.arange(K, device=dev).unsqueeze(0) < kk.unsqueeze(1))
