@@ -179,3 +179,17 @@ def test_cli_says_these_are_hypotheses(tmp_path, capsys):
     (tmp_path / "other.json").write_text('{"a": 1}')
     assert main(["diagnose", str(tmp_path / "other.json")]) == 2
     assert "does not look like bench results" in capsys.readouterr().err
+
+
+def test_both_slow_without_queueing_points_at_the_step():
+    obj = {"ttft": {"p99": 0.5}, "tpot": {"p99": 0.05}}
+    quiet = run(records(20, 0.9, 0.2), 4, server={"requests_waiting": {"mean": 0.2, "max": 1},
+                                                  "counters_delta": {"inferlab:engine_steps_total": 100,
+                                                                     "inferlab:engine_step_seconds_total": 20.0}})
+    d = diagnose(quiet, obj)
+    assert titles(d)[:2] == ["TTFT and decode both slow without queueing: every engine step is slow",
+                             "TTFT and decode both degrade: the server is saturated"]
+    assert d.hypotheses[0].supported and "engine step mean 200.0 ms" in d.hypotheses[0].evidence
+    busy = run(records(20, 0.9, 0.2), 4, server={"requests_waiting": {"mean": 6, "max": 12}})
+    d = diagnose(busy, obj)
+    assert titles(d)[0] == "TTFT and decode both degrade: the server is saturated" and d.hypotheses[0].supported

@@ -278,7 +278,8 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
             vary="quantization=none,int8,int4", supported=bool(ev) and (kv_pressure or bool(s.get("step_time_mean"))),
         ))
 
-    # 3. Both degrade with load: saturation.
+    # 3. Both poor: either the server is saturated (requests queue) or every step is slow (nothing queues, yet
+    # prefill and decode both crawl). Queueing evidence decides which hypothesis leads.
     if ttft_bad and tpot_bad:
         ev = []
         rps = [r.requests_per_s for r in runs if r.requests_per_s is not None]
@@ -289,9 +290,12 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         rejected = {k: v for k, v in last.errors.items() if "429" in k or "rate" in k or "reject" in k}
         if rejected:
             ev.append(f"admission control rejected requests: {rejected}")
-        if s.get("num_waiting"):
-            ev.append(f"up to {s['num_waiting']:.0f} requests waiting (server gauge, sampled during the run)")
-        hyps.append(Hypothesis(
+        waiting, q = s.get("num_waiting"), s.get("queue_time_mean")
+        if waiting:
+            ev.append(f"up to {waiting:.0f} request(s) waiting (server gauge, sampled during the run)")
+        ttft_mean = last.stat("ttft", "mean")
+        queueing = (waiting or 0) > 1 or (q is not None and ttft_mean and q / ttft_mean > 0.5)
+        saturation = Hypothesis(
             "TTFT and decode both degrade: the server is saturated", f"{ttft_why}; {tpot_why}",
             ["saturation: offered load beyond capacity, so queues grow without bound",
              "no admission control: the server accepts more than it can serve within the objectives"],
@@ -299,8 +303,26 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
             "sweep the load (bench --sweep) and find where throughput stops rising while latency keeps growing",
             "operate below the knee: set --max-queue so excess load is rejected quickly, add replicas, or "
             "raise capacity (quantization, max_num_seqs)",
-            vary="max_num_seqs=8,16,32", supported=plateau or bool(rejected),
-        ))
+            vary="max_num_seqs=8,16,32", supported=plateau or bool(rejected) or bool(queueing),
+        )
+        step_ev = []
+        if s.get("step_time_mean") is not None:
+            step_ev.append(f"engine step mean {_ms(s['step_time_mean'])}")
+        if q is not None:
+            step_ev.append(f"server queue time mean {_ms(q)}" + (f" of TTFT mean {_ms(ttft_mean)}" if ttft_mean
+                                                                 else ""))
+        slow_steps = Hypothesis(
+            "TTFT and decode both slow without queueing: every engine step is slow", f"{ttft_why}; {tpot_why}",
+            ["the step is far from the hardware's limit (per-step overhead, kernels below the roofline)",
+             "the model reads too many bytes per token for this machine's bandwidth",
+             "other processes compete for the same cores or memory bandwidth"],
+            step_ev,
+            "compare TPOT p50 with `inferlab fit`'s decode lower bound for this batch (far above it: overhead or "
+            "contention, not bandwidth); check the machine's load during the run; profile one engine step",
+            "vary quantization (fewer bytes per step) and the thread count; rerun on an idle machine",
+            vary="quantization=none,int8,int4", supported=not queueing and bool(step_ev),
+        )
+        hyps += [saturation, slow_steps] if queueing or plateau or rejected else [slow_steps, saturation]
 
     # 4. Throughput still rising while the tail breaks the objective: the batching policy.
     if judge.sweep:

@@ -326,16 +326,15 @@ class Experiment:
         return [self.result(p) for p in self.state["points"]]
 
     def best_combination(self, points: list[ConfigPoint]) -> ConfigPoint | None:
-        from inferlab.lab.report import verdict
+        from inferlab.lab.report import _score, verdict
 
         base = self.result("baseline")
         changes = {}
         for v in self.variations:
             cands = [self.result(p.id) for p in points if v.key in p.changes]
             cands = [c for c in cands if c and verdict(self.card, c, base).accepted]
-            score = lambda r: (r.metric("goodput_rps") or r.metric("requests_per_s") or {}).get("mean") or 0  # noqa
-            if cands and base and score(max(cands, key=score)) > score(base):
-                changes.update(max(cands, key=score).changes)
+            if cands and base and _score(max(cands, key=_score)) > _score(base):
+                changes.update(max(cands, key=_score).changes)
         if len(changes) < 2:
             return None
         return ConfigPoint("combined", changes, {**self.card.server.config, **changes})

@@ -52,9 +52,10 @@ def verdict(card: Card, res: PointResult, base: PointResult | None) -> Verdict:
     return Verdict(status == "accepted", status, q, lat, rel, checks)
 
 
-def _score(r: PointResult) -> float:
-    m = r.metric("goodput_rps") or r.metric("requests_per_s")
-    return m["mean"] if m else -1.0
+def _score(r: PointResult) -> tuple[float, float]:
+    """Goodput first, then throughput (which breaks ties, e.g. when no config meets the objectives)."""
+    g, t = r.metric("goodput_rps"), r.metric("requests_per_s")
+    return (g["mean"] if g else -1.0, t["mean"] if t else -1.0)
 
 
 def rank(card: Card, results: list[PointResult]) -> list[tuple[PointResult, Verdict]]:
@@ -62,7 +63,7 @@ def rank(card: Card, results: list[PointResult]) -> list[tuple[PointResult, Verd
     base = next((r for r in results if r.id == "baseline"), None)
     order = {"accepted": 0, "misses objectives": 1, "unverified: quality not measured": 2}
     rows = [(r, verdict(card, r, base)) for r in results]
-    return sorted(rows, key=lambda rv: (order.get(rv[1].status, 3), -_score(rv[0])))
+    return sorted(rows, key=lambda rv: (order.get(rv[1].status, 3), *(-x for x in _score(rv[0]))))
 
 
 def _ms(x) -> str:
@@ -242,6 +243,9 @@ def render(card: Card, results: list[PointResult], variations: list[Variation], 
             if best and base:
                 L.append(f"Tested by varying `{key}`: the best value, `{best.changes[key]}`, changed "
                          f"{_tradeoff(best, base) or 'nothing measurable'} against the baseline.")
+            elif not rows:
+                L.append(f"To be tested by varying `{key}`, but those configs failed to run (section 4): "
+                         f"untested.")
         else:
             L.append(f"Not tested by this experiment; next: {h.next_experiment} "
                      f"(`inferlab experiment CARD --vary {h.vary}`)." if h.vary else f"Next: {h.next_experiment}.")
