@@ -8,7 +8,9 @@ machine's monotonic clock. For each load level and each tool:
                   per-token gaps coincide and every tool's per-chunk ITL is comparable)
 
 For inferlab, whose records carry request ids, it also reports the matched per-request error (each request's
-TTFT minus the server's for the same request) and the receive lag of every chunk (arrival - write).
+time from send to first chunk minus the server's first write minus its arrival, for the same request) and the
+receive lag of every chunk (arrival - write). In open loop inferlab's reported TTFT starts at the scheduled
+time, so its distribution-level TTFT error includes the client delay, by design; GuideLLM's starts at its send.
 
     .venv/bin/python benchmarks/bench_accuracy.py                      # inferlab only
     .venv/bin/python benchmarks/bench_accuracy.py --guidellm /tmp/venv-guidellm/bin/guidellm \
@@ -86,7 +88,8 @@ def run_inferlab(url: str, load: list[str], n: int, args) -> dict:
         if s is None:
             continue
         times = [origin + t for t, k in zip(r.chunk_times, r.chunk_tokens) if k]
-        matched.append((times[0] - (origin + r.start)) - (s["writes"][0] - s["arrival"]))
+        # from the send, not the schedule: the measurement's own error, without the open-loop client delay
+        matched.append((times[0] - (origin + r.sent)) - (s["writes"][0] - s["arrival"]))
         lag += [a - w for a, w in zip(times, s["writes"])]
     ttft_true, gaps_true = server_truth(stats)
     lat = run["latency"]

@@ -24,6 +24,7 @@ from pathlib import Path
 from inferlab.bench import arrivals, summary as summary_mod
 from inferlab.bench.client import BenchError, Target, make_session, preflight
 from inferlab.bench.embedded import EmbeddedServer
+from inferlab.bench.http import Pool
 from inferlab.bench.records import RequestRecord, read_records
 from inferlab.bench.runner import Load, WorkerPlan, install_stop, run_processes, run_worker
 from inferlab.bench.scrape import Scraper
@@ -240,7 +241,8 @@ class Benchmark:
             "models": models,
             "machine": machine(),
             "client": {"python": platform.python_version(), "aiohttp": aiohttp.__version__,
-                       "event_loop": _loop_name(), "workers": cfg.workers, "clock": "time.perf_counter"},
+                       "event_loop": _loop_name(), "workers": cfg.workers, "clock": "time.perf_counter",
+                       "receive_clock": Pool(cfg.target.base_url).receive_clock},
             "seed": cfg.seed,
             "tokenizer": self.tokenizer.name if self.tokenizer else None,
             "workload": {"input_len": cfg.workload.input_len.describe(),

@@ -23,12 +23,13 @@ import json
 import random
 import socket
 import struct
-import sys
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
+
+from inferlab.bench.http import enable_receive_stamps, kernel_receive_time
 
 # Common words that are single tokens in GPT-2-style and Llama-style vocabularies, so a tokenizer counts one
 # token per word of the fake output.
@@ -430,22 +431,9 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
             500: "Internal Server Error"}
 
 
-# Kernel receive timestamps: a request's arrival is when its bytes reached the socket, not when this process
-# got round to reading them, so the server's own backlog is never counted against the client being measured.
-_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform.startswith("linux") else None)
+# A request's arrival is the kernel's receive time of its first bytes, not when this process got round to
+# reading them, so the server's own backlog is never counted against the client being measured.
 _CMSG_SPACE = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 0
-
-
-def _arrival(ancdata: list) -> float:
-    """perf_counter time of the kernel's stamp on the bytes just read (CLOCK_REALTIME, converted with an
-    offset read now), or now when the platform gives no stamp."""
-    now = time.perf_counter_ns()
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= 16:
-            sec, nsec = struct.unpack("qq", data[:16])
-            ago = time.time_ns() - (sec * 1_000_000_000 + nsec)
-            return (now - max(ago, 0)) / 1e9
-    return now / 1e9
 
 
 class _Conn:
@@ -463,11 +451,7 @@ class _Conn:
         self.first_byte = 0.0
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small SSE writes must not wait for Nagle
-        if _SO_TIMESTAMPNS is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-            except OSError:
-                pass
+        enable_receive_stamps(sock)
         self.loop.add_reader(self.fd, self._readable)
 
     def _readable(self) -> None:
@@ -480,7 +464,7 @@ class _Conn:
         if not data:
             return self.close()
         if not self.buf:
-            self.first_byte = _arrival(anc)  # a request's arrival: its first byte, before any parsing
+            self.first_byte = kernel_receive_time(anc)  # a request's arrival: its first byte, before any parsing
         self.buf += data
         while not self.closed:
             head_end = self.buf.find(b"\r\n\r\n")

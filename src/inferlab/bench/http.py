@@ -1,5 +1,6 @@
-"""A minimal HTTP/1.1 client for the measuring path: keep-alive connections as asyncio Protocols that stamp each
-block of bytes in data_received, before anything else runs.
+"""A minimal HTTP/1.1 client for the measuring path: keep-alive connections whose every block of received bytes
+carries its arrival time: the kernel's receive timestamp on Linux over plain HTTP (read with recvmsg), else the
+moment data_received runs.
 
 Why not aiohttp here: its stream reader wakes a coroutine for every chunk, which at hundreds of streams costs
 more CPU than the rest of the client and delays every stamp behind a queue of task switches. Here a chunk costs
@@ -10,7 +11,10 @@ one callback: stamp, de-chunk, split SSE events, hand them on. aiohttp still doe
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl as ssl_mod
+import struct
+import sys
 import time
 from collections import deque
 from typing import Callable
@@ -179,7 +183,112 @@ class Exchange:
             self.fail(HTTPError("connection_dropped", "the server closed the connection before the response ended"))
 
 
+# Kernel receive timestamps (Linux): the time the bytes reached the socket, whatever the event loop was doing
+# then. A read that returns several TCP segments carries the last one's stamp.
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform.startswith("linux") else None)
+_CMSG_SPACE = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+def kernel_receive_time(ancdata: list) -> float:
+    """perf_counter time of the kernel's stamp on the bytes just read (CLOCK_REALTIME, converted with the
+    offset between the two clocks read now), or now when there is no stamp."""
+    now = time.perf_counter_ns()
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = struct.unpack("qq", data[:16])
+            ago = time.time_ns() - (sec * 1_000_000_000 + nsec)
+            return (now - max(ago, 0)) / 1e9
+    return now / 1e9
+
+
+def enable_receive_stamps(sock: socket.socket) -> bool:
+    if SO_TIMESTAMPNS is None or not _CMSG_SPACE:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        return True
+    except OSError:
+        return False
+
+
+class _RawConn:
+    """A plain-HTTP connection on a non-blocking socket read with recvmsg, so every block of bytes carries the
+    kernel's receive time: a client busy with other streams does not delay its own stamps."""
+
+    __slots__ = ("pool", "sock", "fd", "loop", "exchange", "alive", "reused", "out")
+
+    def __init__(self, pool: "Pool", sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        self.pool, self.sock, self.loop = pool, sock, loop
+        self.fd = sock.fileno()
+        self.exchange: Exchange | None = None
+        self.alive = True
+        self.reused = False  # carried an earlier response: the server may have closed it as we wrote
+        self.out = bytearray()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        enable_receive_stamps(sock)
+        loop.add_reader(self.fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data, anc, _, _ = self.sock.recvmsg(1 << 18, _CMSG_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self._lost()
+        if not data:
+            return self._lost()
+        ex = self.exchange
+        if ex is None:  # bytes nobody asked for: the connection cannot be trusted
+            return self._lost()
+        ex.feed(kernel_receive_time(anc), data)
+
+    def write(self, data: bytes) -> None:
+        if self.out:
+            self.out += data
+            return
+        try:
+            n = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            return self._lost()
+        if n < len(data):
+            self.out += data[n:]
+            self.loop.add_writer(self.fd, self._writable)
+
+    def _writable(self) -> None:
+        try:
+            n = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            return self._lost()
+        del self.out[:n]
+        if not self.out:
+            self.loop.remove_writer(self.fd)
+
+    def usable(self) -> bool:
+        return self.alive
+
+    def _lost(self) -> None:
+        ex = self.exchange
+        self.abort()
+        if ex is not None:
+            ex.closed()
+
+    def abort(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.loop.remove_reader(self.fd)
+        if self.out:
+            self.loop.remove_writer(self.fd)
+        self.sock.close()
+
+
 class _Conn(asyncio.Protocol):
+    """An HTTPS connection (or any platform without receive stamps): stamped when data_received runs."""
+
     __slots__ = ("pool", "transport", "exchange", "alive", "reused")
 
     def __init__(self, pool: "Pool"):
@@ -187,7 +296,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.exchange: Exchange | None = None
         self.alive = True
-        self.reused = False  # carried an earlier response: the server may have closed it as we wrote
+        self.reused = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -205,6 +314,17 @@ class _Conn(asyncio.Protocol):
         if self.exchange is not None:
             self.exchange.closed()
 
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def usable(self) -> bool:
+        return self.alive and not self.transport.is_closing()
+
+    def abort(self) -> None:
+        self.alive = False
+        if self.transport is not None:
+            self.transport.abort()
+
 
 class Pool:
     """Keep-alive connections to one origin; a connection carries one request at a time."""
@@ -216,20 +336,43 @@ class Pool:
         self.host = u.hostname or "localhost"
         self.port = u.port or (443 if u.scheme == "https" else 80)
         self.ssl = ssl_mod.create_default_context() if u.scheme == "https" else None
+        self.raw = self.ssl is None and SO_TIMESTAMPNS is not None and bool(_CMSG_SPACE)
         self.host_header = u.netloc
         self.prefix = u.path.rstrip("/")
-        self.idle: deque[_Conn] = deque()
-        self.all: set[_Conn] = set()
+        self.idle: deque = deque()
+        self.all: set = set()
+        self._addr: tuple | None = None
 
-    async def _get(self) -> _Conn:
+    @property
+    def receive_clock(self) -> str:
+        return "kernel receive timestamps (SO_TIMESTAMPNS)" if self.raw else "time the event loop read the bytes"
+
+    async def _connect(self):
+        loop = asyncio.get_running_loop()
+        if not self.raw:
+            _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl)
+            return conn
+        if self._addr is None:
+            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            self._addr = infos[0]
+        family, type_, proto, _, addr = self._addr
+        sock = socket.socket(family, type_, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        return _RawConn(self, sock, loop)
+
+    async def _get(self):
         while self.idle:
             c = self.idle.pop()
-            if c.alive and not c.transport.is_closing():
+            if c.usable():
                 c.reused = True
                 return c
-        loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl)
+            conn = await self._connect()
         except OSError as e:
             raise HTTPError("connection_refused", f"cannot connect to {self.host}:{self.port}: {e.strerror or e}") from None
         self.all.add(conn)
@@ -241,28 +384,24 @@ class Pool:
         lines += [f"{k}: {v}" for k, v in headers.items()]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
-    async def start(self, request: bytes, on_event: Callable[[float, bytes], HTTPError | None] | None) -> tuple[_Conn, Exchange]:
+    async def start(self, request: bytes, on_event: Callable[[float, bytes], HTTPError | None] | None):
         conn = await self._get()
         ex = Exchange(asyncio.get_running_loop(), on_event)
         conn.exchange = ex
-        conn.transport.write(request)
+        conn.write(request)
         return conn, ex
 
-    def release(self, conn: _Conn, reusable: bool) -> None:
+    def release(self, conn, reusable: bool) -> None:
         ex, conn.exchange = conn.exchange, None
         if reusable and ex is not None and ex.keep_alive and ex.done.done() and not ex.done.exception() \
-                and conn.alive and not conn.transport.is_closing():
+                and conn.usable():
             self.idle.append(conn)
         else:
             self.all.discard(conn)
-            conn.alive = False
-            if conn.transport is not None:
-                conn.transport.abort()
+            conn.abort()
 
     def close(self) -> None:
         for c in list(self.all):
-            c.alive = False
-            if c.transport is not None:
-                c.transport.abort()
+            c.abort()
         self.all.clear()
         self.idle.clear()
