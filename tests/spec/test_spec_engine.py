@@ -140,9 +140,9 @@ def test_sampling_with_speculation_counts_and_seeds(llm, prompts):
 
 
 def test_low_acceptance_turns_speculation_off_for_a_while(llm, prompts):
-    # A 2-layer draft (a quarter of the target's weight bytes, mostly the head) is almost always wrong: at 0.6
-    # assumed acceptance it would pay, after a rejection or two it cannot, and the sequence sits out 5 steps.
-    policy = SpecPolicy(token_cost=0.0, initial_acceptance=0.6, cooldown_steps=5)
+    # A 2-layer draft (a quarter of the target's weight bytes, mostly the head) is almost always wrong: at 1.5
+    # tokens accepted per verification it would pay, after a rejection it cannot, and the sequence sits out 5 steps.
+    policy = SpecPolicy(token_cost=0.0, initial_accepted=1.5, cooldown_steps=5)
     with speculating(llm, policy, speculative="draft", num_speculative_tokens=4, draft_layers=2) as proposer:
         out = generate(llm, [prompts[12]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert 0.2 < proposer.draft_cost < 0.3

@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 from inferlab.engine.config import EngineConfig
-from inferlab.spec.draft import DraftProposer, SpeculativeConfigError
+from inferlab.spec.draft import DraftProposer
 from inferlab.spec.ngram import NgramProposer
-from inferlab.spec.proposer import Proposer, SpecPolicy
+from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError
 
 __all__ = ["DraftProposer", "NgramProposer", "Proposer", "SpecPolicy", "SpeculativeConfigError", "make_proposer"]
 

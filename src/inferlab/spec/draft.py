@@ -13,6 +13,8 @@ Two drafts:
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -20,11 +22,7 @@ from inferlab.engine.errors import ModelLoadError
 from inferlab.engine.sampler import exponential_noise, sampling_probs
 from inferlab.engine.sequence import Sequence
 from inferlab.layers.attention import AttentionMetadata
-from inferlab.spec.proposer import Proposer, SpecPolicy
-
-
-class SpeculativeConfigError(ModelLoadError):
-    """The speculative-decoding options cannot work together (raised at startup, like a model that cannot load)."""
+from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError
 
 
 class DraftProposer(Proposer):
@@ -53,6 +51,9 @@ class DraftProposer(Proposer):
             for i, layer in enumerate(self.model.model.layers[: self.num_layers]):
                 layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
                 layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        logging.getLogger("inferlab.engine").info(
+            "speculative draft: %s, %d layers, k=%d, %.2f of the target's weight bytes per pass, own KV %.1f MiB",
+            draft_model or "the target's own", self.num_layers, self.k, self._draft_cost, self.kv_cache_bytes / 2**20)
 
     @property
     def draft_cost(self) -> float:

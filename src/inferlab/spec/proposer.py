@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from inferlab.engine.errors import ModelLoadError
 from inferlab.engine.sequence import Sequence
 from inferlab.spec.verify import verify_proposals
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens one verification of k proposals yields when each is accepted with probability `acceptance`
-    (Leviathan et al. 2023): 1 + a + a^2 + ... + a^k."""
-    return float(k + 1) if acceptance >= 1 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+class SpeculativeConfigError(ModelLoadError):
+    """The speculative-decoding options cannot work together. A ModelLoadError, so that it stops the engine at
+    startup the way a model that cannot load does (and `inferlab serve` reports it the same way)."""
 
 
 @dataclass(slots=True)
@@ -25,36 +25,38 @@ class SpecPolicy:
     """When speculation does not pay, skip it: a cost model in units of a one-token decode step.
 
     A step with n tokens costs 1 + token_cost * n (decode reads all weights once whatever n is, then pays per
-    token); each batched draft pass costs draft_cost of a target pass (its share of the weights). A step of B
-    decoding sequences, some speculating k_i tokens with running acceptance a_i, yields
-    B + sum(expected_tokens(a_i, k_i) - 1) tokens. Speculate when that per unit of cost beats B / (1 + token_cost*B).
-    Checked per sequence first (a sequence whose own acceptance cannot pay sits out `cooldown_steps`, then tries
-    again from `initial_acceptance`), then for the step (larger batches make every extra token dearer).
+    token); each batched draft pass costs draft_cost of a target pass (its share of the weight bytes). A step of B
+    decoding sequences, some verifying k_i proposals of which they have lately had g_i accepted per verification,
+    yields B + sum(min(g_i, k_i)) tokens. Speculate when that per unit of cost beats B / (1 + token_cost * B).
+    Checked per sequence first (a sequence whose own record cannot pay sits out `cooldown_steps`, then tries again
+    from `initial_accepted`), then for the whole step (larger batches make every extra token dearer).
+    The running mean of accepted tokens per verification, not a per-token rate, is what predicts the gain:
+    acceptance comes in runs (a copied span is accepted whole, new text not at all).
     """
 
-    # Measured by `benchmarks/speculative.py --only steptime` (bfloat16, one thread, 2-core EPYC): decode steps cost
-    # about 100 ms + 5.5 ms per token, so 0.06. A GPU at small batch is nearer 0.005: speculation pays longer.
+    # `benchmarks/speculative.py --only steptime` on a 2-core EPYC (bfloat16, one thread): decode steps cost about
+    # 100 ms + 5.5 ms per token, so 0.06. A GPU at small batch is nearer 0.005: speculation pays longer there.
     token_cost: float = 0.06
-    initial_acceptance: float = 0.5
+    initial_accepted: float = 1.0
     cooldown_steps: int = 16
-    ema_weight: float = 0.3  # weight of the latest verification in the running acceptance rate
+    ema_weight: float = 0.3  # weight of the latest verification in the running mean
     always: bool = False  # speculate every step whatever it costs (tests, and the benchmark's "always" rows)
 
-    def pays(self, num_decoding: int, acceptances: list[float], ks: list[int], draft_cost: float) -> bool:
+    def pays(self, num_decoding: int, accepted: list[float], ks: list[int], draft_cost: float) -> bool:
         if self.always:
             return True
         if not ks:
             return False
         c = self.token_cost
         plain = num_decoding / (1 + c * num_decoding)
-        tokens = num_decoding + sum(expected_tokens(a, k) - 1 for a, k in zip(acceptances, ks))
+        tokens = num_decoding + sum(min(g, k) for g, k in zip(accepted, ks))
         cost = 1 + c * (num_decoding + sum(ks)) + draft_cost * max(ks) * (1 + c * len(ks))
         return tokens / cost > plain
 
 
 @dataclass(slots=True)
 class SeqSpecState:
-    acceptance: float
+    accepted: float  # running mean of proposals accepted per verification
     cooldown: int = 0
     num_preemptions: int = 0
     draft_computed: int = 0  # draft proposers with their own KV: leading tokens whose draft K/V are valid
@@ -83,7 +85,7 @@ class Proposer:
     def propose(self, engine, running: list[Sequence]) -> None:
         """Set spec_token_ids on the running sequences that should speculate in the next step."""
         old, policy = self.states, self.policy
-        self.states = {s.request_id: old.get(s.request_id) or SeqSpecState(policy.initial_acceptance)
+        self.states = {s.request_id: old.get(s.request_id) or SeqSpecState(policy.initial_accepted)
                        for s in running}
         self.draft_probs = {}
         # Only sequences that are decoding (all but the last token computed); a prefill is still catching up.
@@ -95,13 +97,13 @@ class Proposer:
                 st.cooldown -= 1
                 self.num_seq_steps_cooling += 1
                 if not st.cooldown:
-                    st.acceptance = policy.initial_acceptance
+                    st.accepted = policy.initial_accepted
                 continue
             # All k accepted yields k + 1 tokens: never propose past max_tokens or the context length.
             k = min(self.k, s.params.max_tokens - s.num_output_tokens - 1, engine.max_model_len - s.num_tokens - 1)
             if k <= 0:
                 continue
-            if not policy.pays(1, [st.acceptance], [k], self.draft_cost):
+            if not policy.pays(1, [st.accepted], [k], self.draft_cost):
                 st.cooldown = policy.cooldown_steps
                 continue
             seqs.append(s)
@@ -111,7 +113,7 @@ class Proposer:
             ks = [len(p) for p in proposals]
         if not any(ks):
             return
-        if not policy.pays(len(decoding), [self.states[s.request_id].acceptance for s in seqs], ks, self.draft_cost):
+        if not policy.pays(len(decoding), [self.states[s.request_id].accepted for s in seqs], ks, self.draft_cost):
             self.num_steps_skipped += 1
             return
         if self.draft_cost > 0:
@@ -150,5 +152,5 @@ class Proposer:
             st = self.states.get(s.request_id)
             if st is not None:
                 w = self.policy.ema_weight
-                st.acceptance = (1 - w) * st.acceptance + w * a / k
+                st.accepted = (1 - w) * st.accepted + w * a
         return [tokens for _, tokens in results]
