@@ -66,7 +66,7 @@ class LLMEngine:
         loaded = load_model(config.model, self.dtype, self.device, config.quantization, config.quant_group_size)
         self.model_config = cfg = loaded.config
         self.model_path = loaded.path
-        self.quant_path = getattr(loaded, "quant_path", "none")
+        self.quant_path = loaded.quant_path
         self.tokenizer = load_tokenizer(config.model)
         self.model_name = "SmolLM2-135M-Instruct" if config.model is None else loaded.path.stem
         self.weight_bytes = sum(t.numel() * t.element_size() for t in

@@ -32,6 +32,7 @@ class LoadedModel:
     path: Path
     raw: dict[str, RawTensor] = field(default_factory=dict)  # keyed by the nn.Linear's qualified name
     load_seconds: float = 0.0
+    quant_path: str = "none"  # how the weights were quantized, for the log and /metrics
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -135,7 +136,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     if quantization != "none":
         from inferlab.quant import quantize_model
 
-        loaded.quant_path = quantize_model(net, quantization, quant_group_size, raw=raw)  # type: ignore[attr-defined]
+        loaded.quant_path = quantize_model(net, quantization, quant_group_size, raw=raw)
     loaded.raw = {}
     loaded.load_seconds = time.perf_counter() - t0
     return loaded
