@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from inferlab import LLM, SamplingParams
 from inferlab.engine.errors import ModelLoadError

@@ -5,15 +5,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from inferlab.engine.config import EngineConfig
 from inferlab.spec.draft import DraftProposer
 from inferlab.spec.ngram import NgramProposer
 from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError
 
+if TYPE_CHECKING:
+    from inferlab.engine.llm_engine import LLMEngine
+
 __all__ = ["DraftProposer", "NgramProposer", "Proposer", "SpecPolicy", "SpeculativeConfigError", "make_proposer"]
 
 
-def make_proposer(config: EngineConfig, engine, policy: SpecPolicy | None = None) -> Proposer | None:
+def make_proposer(config: EngineConfig, engine: LLMEngine, policy: SpecPolicy | None = None) -> Proposer | None:
     method, k = config.speculative, config.num_speculative_tokens
     if method is None:
         if config.draft_model is not None or config.draft_layers is not None:

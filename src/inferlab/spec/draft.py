@@ -14,6 +14,7 @@ Two drafts:
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,9 +25,12 @@ from inferlab.engine.sequence import Sequence
 from inferlab.layers.attention import AttentionMetadata
 from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError
 
+if TYPE_CHECKING:
+    from inferlab.engine.llm_engine import LLMEngine
+
 
 class DraftProposer(Proposer):
-    def __init__(self, engine, num_speculative_tokens: int, draft_model: str | None, draft_layers: int | None,
+    def __init__(self, engine: LLMEngine, num_speculative_tokens: int, draft_model: str | None, draft_layers: int | None,
                  policy: SpecPolicy | None = None):
         super().__init__(num_speculative_tokens, policy)
         target = engine.runner.model
@@ -63,7 +67,7 @@ class DraftProposer(Proposer):
     def kv_cache_bytes(self) -> int:
         return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def draft(self, engine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def draft(self, engine: LLMEngine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         bm = engine.block_manager
         out: list[list[int]] = [[] for _ in seqs]
         # The draft writes K/V up to position num_tokens + k - 2: those blocks must exist now. No room, no draft.
@@ -102,7 +106,7 @@ class DraftProposer(Proposer):
                 self.draft_probs[s.request_id] = torch.stack(q[i])
         return out
 
-    def _sample(self, engine, seqs: list[Sequence], logits: torch.Tensor, index: list[int],
+    def _sample(self, engine: LLMEngine, seqs: list[Sequence], logits: torch.Tensor, index: list[int],
                 q: dict[int, list[torch.Tensor]]) -> list[int]:
         """Greedy requests get the draft's argmax; sampled ones a draw from the draft's q, kept in q[index[j]] for
         verification."""
@@ -117,7 +121,7 @@ class DraftProposer(Proposer):
         return tokens.tolist()
 
     @torch.inference_mode()
-    def _forward(self, engine, tables: list[list[int]], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
+    def _forward(self, engine: LLMEngine, tables: list[list[int]], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """One batched draft pass; chunks of one token first. Returns float32 logits at each chunk's last token."""
         runner = engine.runner
         bs, dev = runner.block_size, runner.device
@@ -149,7 +153,7 @@ def _weight_bytes(model, num_layers: int) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
-def _load_draft(engine, path: str):
+def _load_draft(engine: LLMEngine, path: str):
     """Load a draft model, refusing one whose vocabulary is not the target's: its token ids would mean other
     things. The vocabulary is checked before the weights are read."""
     from inferlab.models.config import read_model_config

@@ -7,12 +7,17 @@ A subclass only drafts tokens (`draft`), optionally with their distributions (`d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from inferlab.engine.errors import ModelLoadError
 from inferlab.engine.sequence import Sequence
 from inferlab.spec.verify import verify_proposals
+
+if TYPE_CHECKING:
+    from inferlab.engine.llm_engine import LLMEngine
+    from inferlab.engine.model_runner import StepInputs
 
 
 class SpeculativeConfigError(ModelLoadError):
@@ -77,12 +82,12 @@ class Proposer:
         """One draft pass over a batch, as a fraction of a target pass over it (0: drafting needs no model)."""
         return 0.0
 
-    def draft(self, engine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def draft(self, engine: LLMEngine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] proposed tokens for each sequence (may set self.draft_probs for sampled requests)."""
         raise NotImplementedError
 
     # -- called by the engine ---------------------------------------------------------------------------------
-    def propose(self, engine, running: list[Sequence]) -> None:
+    def propose(self, engine: LLMEngine, running: list[Sequence]) -> None:
         """Set spec_token_ids on the running sequences that should speculate in the next step."""
         old, policy = self.states, self.policy
         self.states = {s.request_id: old.get(s.request_id) or SeqSpecState(policy.initial_accepted)
@@ -121,7 +126,7 @@ class Proposer:
         for s, proposal in zip(seqs, proposals):
             s.spec_token_ids = proposal
 
-    def verify(self, engine, inputs, logits: torch.Tensor) -> list[list[int]]:
+    def verify(self, engine: LLMEngine, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
         """Tokens to append for each of inputs.sample_seqs: accepted proposals + the target's next token."""
         seqs = inputs.sample_seqs
         proposals = [list(s.spec_token_ids) for s in seqs]
