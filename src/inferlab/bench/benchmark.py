@@ -178,10 +178,8 @@ class Benchmark:
             plans[0].num_requests if plans[0].schedule is None else sum(len(p.schedule) for p in plans))
         progress = _Progress(f"[{run + 1}] {load.label}", total, cfg.quiet)
         t_wall = time.time()
-        t_start = time.perf_counter()
         with progress:
             if len(plans) == 1:
-                plans[0].t0 = t_start
                 records, interrupted = await run_worker(plans[0], stop, progress.on_record)
             else:
                 interrupted = await run_processes(plans, stop, progress.set)

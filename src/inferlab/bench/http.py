@@ -378,6 +378,16 @@ class Pool:
         self.all.add(conn)
         return conn
 
+    async def warm(self, n: int) -> None:
+        """Open up to n idle connections now, so that connecting is not counted in the first requests' TTFT
+        (a server benchmark measures the server, not TCP handshakes). Failures are left to the requests."""
+        results = await asyncio.gather(*(self._connect() for _ in range(max(0, n - len(self.idle)))),
+                                       return_exceptions=True)
+        for conn in results:
+            if not isinstance(conn, BaseException):
+                self.all.add(conn)
+                self.idle.append(conn)
+
     def request_bytes(self, method: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
         lines = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self.host_header}",
                  f"Content-Length: {len(body)}", "Accept: text/event-stream, application/json"]

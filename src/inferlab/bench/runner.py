@@ -94,20 +94,33 @@ class _Counter:
             return self.shared.value - 1
 
 
+def warm_count(plan: WorkerPlan) -> int:
+    """Connections to open before the clock starts: one per user in closed loop; in open loop as many as may
+    be in flight at once, up to 64 (more are opened during the run if needed)."""
+    if not plan.load.open_loop:
+        return plan.users
+    return min(len(plan.schedule or []), plan.load.max_concurrency or 64)
+
+
 async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[RequestRecord], None] | None = None,
-                     counter: _Counter | None = None) -> tuple[list[RequestRecord], bool]:
+                     counter: _Counter | None = None, pool: Pool | None = None) -> tuple[list[RequestRecord], bool]:
     """Run one worker's share of a load point. Returns its records and whether it was interrupted. Records are
-    appended to plan.records_path as they complete."""
+    appended to plan.records_path as they complete. With plan.t0 unset, the clock starts once connections are
+    open, and plan.t0 is set to it."""
     tok = load_tokenizer(plan.tokenizer)
     counter = counter or _Counter()
     records: list[RequestRecord] = []
     out = open(plan.records_path, "a", encoding="utf-8") if plan.records_path else None
     inflight: set[asyncio.Task] = set()
     perf = time.perf_counter
-    t0 = plan.t0 if plan.t0 is not None else perf()
+    if pool is None:
+        pool = Pool(plan.target.base_url)
+        await pool.warm(warm_count(plan))
+    if plan.t0 is None:
+        plan.t0 = perf()
+    t0 = plan.t0
     if t0 > perf():
         await asyncio.sleep(t0 - perf())
-    pool = Pool(plan.target.base_url)
     try:
         client = Client(pool, plan.target, tok, t0)
         cap = asyncio.Semaphore(plan.load.max_concurrency) if plan.load.max_concurrency else None
@@ -218,13 +231,16 @@ def new_loop_runner():
 def _process_main(plan: WorkerPlan, next_index, done, failed, barrier, t0_value) -> None:
     for sig in (signal.SIGINT, signal.SIGUSR1):  # until the loop's own handlers are in place
         signal.signal(sig, signal.SIG_IGN)
-    load_tokenizer(plan.tokenizer)  # before the barrier: the clock must not start while a worker is loading
-    barrier.wait()
-    barrier.wait()  # the parent has written the clock origin in between
-    plan.t0 = t0_value.value
+    # Everything slow happens before the barrier: the clock must not start while a worker is still loading.
+    load_tokenizer(plan.tokenizer)
     make_loop, _ = new_loop_runner()
     loop = make_loop()
     asyncio.set_event_loop(loop)
+    pool = Pool(plan.target.base_url)
+    loop.run_until_complete(pool.warm(warm_count(plan)))
+    barrier.wait()
+    barrier.wait()  # the parent has written the clock origin in between
+    plan.t0 = t0_value.value
     stop = asyncio.Event()
     install_stop(loop, stop)
 
@@ -235,7 +251,7 @@ def _process_main(plan: WorkerPlan, next_index, done, failed, barrier, t0_value)
             with failed.get_lock():
                 failed.value += 1
 
-    loop.run_until_complete(run_worker(plan, stop, on_done, _Counter(next_index)))
+    loop.run_until_complete(run_worker(plan, stop, on_done, _Counter(next_index), pool))
     loop.close()
 
 
