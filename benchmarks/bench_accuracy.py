@@ -14,7 +14,7 @@ time, so its distribution-level TTFT error includes the client delay, by design;
 
     .venv/bin/python benchmarks/bench_accuracy.py                      # inferlab only
     .venv/bin/python benchmarks/bench_accuracy.py --guidellm /tmp/venv-guidellm/bin/guidellm \
-        --tokenizer-dir /tmp/smollm2-tokenizer
+        --aiperf /tmp/venv-aiperf/bin/aiperf --tokenizer-dir /tmp/smollm2-tokenizer
 
 The tokenizer folder for the other tools is saved from the bundled GGUF with transformers:
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained("/tmp/smollm2-tokenizer")
@@ -141,6 +141,42 @@ def run_guidellm(url: str, kind: str, value: float, n: int, args) -> dict:
     }
 
 
+def run_aiperf(url: str, kind: str, value: float, n: int, args) -> dict:
+    """NVIDIA AIPerf (a throwaway venv): TTFT, its ITL (our TPOT) and its inter-chunk latency (one token per
+    chunk here, so our per-token ITL) from profile_export_aiperf.json."""
+    with tempfile.TemporaryDirectory() as tmp:
+        load = (["--concurrency", str(int(value))] if kind == "concurrency"
+                else ["--request-rate", str(value), "--arrival-pattern", "poisson"])
+        cmd = [args.aiperf, "profile", "--model", "fake-model", "--url", url, "--endpoint-type", "completions",
+               "--streaming", *load, "--request-count", str(n), "--prompt-input-tokens-mean", str(args.input_len),
+               "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(args.output_len),
+               "--prompt-output-tokens-stddev", "0", "--tokenizer", args.tokenizer_dir,
+               "--output-artifact-dir", tmp, "--ui-type", "none"]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+        out = Path(tmp, "profile_export_aiperf.json")
+        if proc.returncode != 0 or not out.exists():
+            return {"error": (proc.stderr or proc.stdout)[-400:]}
+        m = json.loads(out.read_text())
+    stats = server_stats(url)
+    ttft_true, gaps_true = server_truth(stats)
+    tpot_true = per_request_tpot(stats)
+
+    def pick(name, p):
+        return m[name][f"p{p}"] / 1000.0  # milliseconds
+
+    return {
+        "ttft_err_p50": pick("time_to_first_token", 50) - pct(ttft_true, 50),
+        "ttft_err_p99": pick("time_to_first_token", 99) - pct(ttft_true, 99),
+        "tpot_err_p50": pick("inter_token_latency", 50) - pct(tpot_true, 50),
+        "tpot_err_p99": pick("inter_token_latency", 99) - pct(tpot_true, 99),
+        "itl_err_p50": pick("inter_chunk_latency", 50) - pct(gaps_true, 50),
+        "itl_err_p99": pick("inter_chunk_latency", 99) - pct(gaps_true, 99),
+        "completed": int(m.get("completed_request_count", m["request_count"]).get("avg", 0)),
+        "server_ttft_p50": pct(ttft_true, 50), "server_ttft_p99": pct(ttft_true, 99),
+    }
+
+
 def per_request_tpot(stats: list[dict]) -> np.ndarray:
     return np.array([(s["writes"][-1] - s["writes"][0]) / (len(s["writes"]) - 1) for s in stats if len(s["writes"]) > 1])
 
@@ -156,6 +192,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="requests per user at each concurrency (at least 64)")
     p.add_argument("--rate-seconds", type=float, default=8.0, help="requests = rate x this")
     p.add_argument("--guidellm", default=None, help="path to a guidellm executable in a throwaway venv")
+    p.add_argument("--aiperf", default=None, help="path to an aiperf executable in a throwaway venv")
     p.add_argument("--tokenizer-dir", default=None, help="a Hugging Face tokenizer folder for the other tools")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
@@ -173,6 +210,8 @@ def main() -> None:
             tools = [("inferlab", lambda: run_inferlab(url, [f"--{kind}", str(value)], n, args))]
             if args.guidellm:
                 tools.append(("guidellm", lambda: run_guidellm(url, kind, value, n, args)))
+            if args.aiperf:
+                tools.append(("aiperf", lambda: run_aiperf(url, kind, value, n, args)))
             for name, fn in tools:
                 clear(url)
                 t = time.perf_counter()
