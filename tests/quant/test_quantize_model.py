@@ -54,6 +54,7 @@ def test_quantized_model_tracks_the_float_model(scheme, tol, dtype):
     assert not [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
     assert isinstance(net.model.layers[1].mlp.gate_up_proj, Int8Linear if scheme == "int8" else Int4Linear)
     assert isinstance(net.lm_head, Int8Linear)  # the tied head's default scheme is int8 for both
+    assert net.lm_head.max_kernel_tokens == 64 and net.model.layers[0].mlp.down_proj.max_kernel_tokens in (16, 96)
     assert isinstance(net.model.embed_tokens, QuantEmbedding)
     assert desc.startswith(scheme) and "8 linear layers quantized from" in desc and "lm_head (tied to" in desc
     out = logits(net, IDS)
