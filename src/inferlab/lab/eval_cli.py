@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--baseline-result", type=Path, default=None, metavar="JSON",
                    help="compare with a previous `inferlab eval --json-out` file instead of running a baseline")
     g.add_argument("--json-out", "--output", dest="json_out", type=Path, default=None, help="write the results here")
-    g.add_argument("--window", type=int, default=512, help="perplexity window in tokens: consecutive windows, each token scored once (see lab/eval.py)")
+    g.add_argument("--window", type=int, default=512,
+                   help="perplexity window in tokens: consecutive windows, each token scored once (see lab/eval.py)")
     g.add_argument("--task-max-tokens", type=int, default=16)
     g.add_argument("--max-prompts", type=int, default=None, help="use only the first N tasks and N continuations")
     g.add_argument("--continuation-prompts", type=int, default=24, help="prompts for the greedy agreement")
