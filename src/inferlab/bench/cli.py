@@ -81,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "  inferlab bench            # starts inferlab's own server on the bundled model and measures it")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     t = p.add_argument_group("target")
+    t.add_argument("--card", default=None, help="a workload card (YAML): run exactly its workload, load and SLOs "
+                                                "against its server; flags given beside it override the card's")
     t.add_argument("--base-url", default=None, help="server to measure, e.g. http://localhost:8000 "
                                                     "(default: start inferlab's server on a free loopback port)")
     t.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -239,6 +241,24 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
     )
 
 
+def _with_card(args: argparse.Namespace, argv: list[str]):
+    """Re-parse with the card's flags first and the user's after them (later flags win). A card whose server is
+    a command template is started here (lab.launcher) and stopped when the run ends."""
+    from inferlab.lab.card import card_bench_argv, load_card
+    from inferlab.lab.launcher import start_server
+
+    card = load_card(args.card)
+    server = None
+    base_url = None
+    if card.server.kind not in ("inferlab", "endpoint") and args.base_url is None:
+        server = start_server(card.server)
+        base_url = server.base_url
+    parser = argparse.ArgumentParser(prog="inferlab bench")
+    add_arguments(parser)
+    user = [a for a in argv if a != "--card" and a != args.card and not a.startswith("--card=")]
+    return parser.parse_args(card_bench_argv(card, base_url=base_url) + user), server
+
+
 def run(args: argparse.Namespace) -> int:
     from inferlab.bench.benchmark import Benchmark
     from inferlab.bench.client import BenchError
@@ -246,6 +266,19 @@ def run(args: argparse.Namespace) -> int:
     from inferlab.bench.tokenizer import TokenizerError
     from inferlab.bench.workload import WorkloadError
 
+    if args.card:
+        from inferlab.lab.card import CardError
+        from inferlab.lab.launcher import LaunchError
+
+        try:
+            args, server = _with_card(args, sys.argv[2:])
+        except (CardError, LaunchError, ValueError) as e:
+            return _fail(str(e))
+        try:
+            return run(args)
+        finally:
+            if server is not None:
+                server.stop()
     try:
         cfg = build_config(args)
     except (ValueError, SLOError) as e:
