@@ -193,6 +193,10 @@ def main() -> None:
     p.add_argument("--rate-seconds", type=float, default=8.0, help="requests = rate x this")
     p.add_argument("--guidellm", default=None, help="path to a guidellm executable in a throwaway venv")
     p.add_argument("--aiperf", default=None, help="path to an aiperf executable in a throwaway venv")
+    p.add_argument("--inferlab-workers", type=int, default=1,
+                   help="inferlab bench --workers for loads with at least --workers-from requests in flight")
+    p.add_argument("--workers-from", type=float, default=256)
+    p.add_argument("--only-inferlab", action="store_true")
     p.add_argument("--tokenizer-dir", default=None, help="a Hugging Face tokenizer folder for the other tools")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
@@ -207,7 +211,13 @@ def main() -> None:
         levels += [("rate", float(r)) for r in args.rates.split(",") if r]
         for kind, value in levels:
             n = max(64, args.rounds * int(value)) if kind == "concurrency" else int(value * args.rate_seconds)
-            tools = [("inferlab", lambda: run_inferlab(url, [f"--{kind}", str(value)], n, args))]
+            in_flight = value if kind == "concurrency" else value * (args.ttft + args.output_len * args.itl)
+            workers = args.inferlab_workers if in_flight >= args.workers_from else 1
+            load = [f"--{kind}", str(value), "--workers", str(workers)]
+            tools = [(f"inferlab" + (f" ({workers} workers)" if workers > 1 else ""),
+                      lambda: run_inferlab(url, load, n, args))]
+            if args.only_inferlab:
+                tools = tools[:1]
             if args.guidellm:
                 tools.append(("guidellm", lambda: run_guidellm(url, kind, value, n, args)))
             if args.aiperf:

@@ -92,7 +92,7 @@ def test_rate_sweep_with_workers_merges_records(fake, bench):
                          "--output-len", "2", "--workers", "2")
     assert rc == 0, res
     for run in res["runs"]:
-        assert run["workers"] == 2 and run["counts"]["completed"] == 20
+        assert run["workers"] == 2 and run["counts"]["completed"] == 20 and run["clock_origin"] > 0
     recs = list(read_records(out / "records.jsonl"))
     assert len(recs) == 40 and {r.worker for r in recs} == {0, 1}
     assert sorted(r.index for r in recs if r.run == 0) == list(range(20))

@@ -28,7 +28,7 @@ from inferlab.bench.http import Pool
 from inferlab.bench.records import RequestRecord, read_records
 from inferlab.bench.runner import Load, WorkerPlan, install_stop, run_processes, run_worker
 from inferlab.bench.scrape import Scraper
-from inferlab.bench.tokenizer import load_tokenizer
+from inferlab.bench.tokenizer import TokenizerError, load_tokenizer
 from inferlab.bench.workload import LengthDist, Workload, jsonl, sharegpt, synthetic, trace
 
 SCHEMA = "inferlab.bench.results/1"
@@ -194,7 +194,7 @@ class Benchmark:
                                   slo_percentile=cfg.slo_percentile, cache_free=wl.cache_free,
                                   interrupted=interrupted, warnings=warnings)
         s["run"] = run
-        s["clock_origin"] = plans[0].t0 if len(plans) == 1 else None
+        s["clock_origin"] = plans[0].t0
         s["started_at"] = dt.datetime.fromtimestamp(t_wall, dt.timezone.utc).isoformat()
         s["workload"] = wl.spec
         s["workers"] = len(plans)
@@ -264,7 +264,15 @@ class Benchmark:
     async def run(self) -> BenchOutcome:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = load_tokenizer(cfg.workload.tokenizer)
+        try:
+            self.tokenizer = load_tokenizer(cfg.workload.tokenizer)
+        except TokenizerError as e:
+            if cfg.workload.tokenizer is not None or cfg.workload.dataset is None:
+                raise
+            # A prompt file needs no tokenizer when the server reports usage: go on without the default one.
+            print(f"warning: {e}; counting tokens from the server's usage (or one per chunk)", file=sys.stderr)
+            cfg.workload.tokenizer = "none"
+            self.tokenizer = None
         stop = asyncio.Event()
         install_stop(asyncio.get_running_loop(), stop)
         if cfg.base_url is None:

@@ -257,8 +257,8 @@ def _process_main(plan: WorkerPlan, next_index, done, failed, barrier, t0_value)
 
 async def run_processes(plans: list[WorkerPlan], stop: asyncio.Event,
                         progress: Callable[[int, int], None] | None = None) -> bool:
-    """Run worker plans in spawned processes on this machine; each writes its records_path. Returns whether
-    the run was interrupted."""
+    """Run worker plans in spawned processes on this machine; each writes its records_path. Sets every plan's
+    t0 to the shared clock origin. Returns whether the run was interrupted."""
     ctx = mp.get_context("spawn")
     next_index, done, failed = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
     t0_value = ctx.Value("d", 0.0)
@@ -270,6 +270,8 @@ async def run_processes(plans: list[WorkerPlan], stop: asyncio.Event,
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, barrier.wait)
     t0_value.value = time.perf_counter() + 0.05
+    for p in plans:
+        p.t0 = t0_value.value
     await loop.run_in_executor(None, barrier.wait)
     interrupted = False
     while any(p.is_alive() for p in procs):
