@@ -99,6 +99,13 @@ def peak_decode_tps(llm, batch: int = 64, n_tokens: int = 64) -> float:
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
+def show(res: dict, *keys: str) -> None:
+    """Print figures as they are measured, so an interrupted run still leaves them."""
+    for k in keys or list(res):
+        v = res[k]
+        print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-requests", type=int, default=256)
@@ -126,12 +133,16 @@ def main() -> None:
     res["bandwidth_bound_ms_per_token"] = 1000 * eng.weight_bytes / bw
     res["compute_bound_tokens_per_s"] = flops / (2 * params)
 
+    show(res)
     res["batch1_ms_per_token"] = batch1_ms_per_token(llm)
+    show(res, "batch1_ms_per_token")
     res["peak_decode_tokens_per_s_batch64"] = peak_decode_tps(llm)
+    show(res, "peak_decode_tokens_per_s_batch64")
     prompts, out_lens = workload(args.num_requests, llm.tokenizer)
     wall, n = run_inferlab(llm, prompts, out_lens)
     res["inferlab_output_tokens_per_s"] = n / wall
     res["inferlab_wall_s"] = wall
+    show(res, "inferlab_output_tokens_per_s", "inferlab_wall_s")
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -141,8 +152,7 @@ def main() -> None:
         res["hf_static_output_tokens_per_s"] = n_hf / wall_hf
         res["hf_wall_s"] = wall_hf
         res["ratio_inferlab_over_hf"] = res["inferlab_output_tokens_per_s"] / res["hf_static_output_tokens_per_s"]
-    for k, v in res.items():
-        print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+        show(res, "hf_static_output_tokens_per_s", "hf_wall_s", "ratio_inferlab_over_hf")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
