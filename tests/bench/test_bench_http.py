@@ -73,3 +73,23 @@ def test_connection_closed_mid_body_is_a_dropped_connection():
     ex.closed()
     assert ex.done.exception().kind == "connection_dropped"
     loop.close()
+
+
+def test_reads_sized_by_want_never_cross_a_chunk_written_apart():
+    # Each server write (one HTTP chunk) is a "segment"; reading want() bytes at a time from the concatenated
+    # stream must never return bytes of two segments in one read, so every read keeps its own receive stamp.
+    loop = asyncio.new_event_loop()
+    ex = Exchange(loop, lambda t, d: None)
+    events = [b"data: {\"i\":%d,\"pad\":\"%s\"}\n\n" % (i, b"x" * (i * 7 % 50)) for i in range(12)]
+    segments = [HEAD_SSE] + [b"%x\r\n%s\r\n" % (len(e), e) for e in events] + [b"0\r\n\r\n"]
+    owner = [i for i, seg in enumerate(segments) for _ in seg]  # segment index of every byte
+    stream = b"".join(segments)
+    pos = 0
+    while pos < len(stream) and not ex.done.done():
+        n = ex.want()
+        data = stream[pos:pos + n]
+        assert len(set(owner[pos:pos + len(data)])) == 1 or owner[pos] == 0, (pos, data)
+        ex.feed(float(owner[pos]), data)
+        pos += len(data)
+    assert ex.done.done() and pos == len(stream)
+    loop.close()

@@ -53,6 +53,24 @@ class Exchange:
         self.keep_alive = True
         self.last_t = 0.0
 
+    @property
+    def in_body(self) -> bool:
+        return self._in_body
+
+    def want(self) -> int:
+        """How many bytes to ask the socket for next, so that one read does not run past the end of the
+        current HTTP chunk: the server wrote each chunk apart, and the kernel stamps a read with the last
+        segment it touched, so a client that fell behind still gets each chunk's own arrival time."""
+        if not self._in_body:
+            return 1024
+        if self._chunked:
+            if self._left is None or self._left < 0:
+                return 32  # a size line (or the trailer), well inside the segment that begins with it
+            return self._left  # the rest of this chunk and its CRLF
+        if self._left is not None:
+            return max(self._left, 1)
+        return 1 << 16
+
     def feed(self, t: float, data: bytes) -> None:
         self.last_t = t
         buf = self._buf + data if self._buf else data
@@ -229,18 +247,26 @@ class _RawConn:
         loop.add_reader(self.fd, self._readable)
 
     def _readable(self) -> None:
-        try:
-            data, anc, _, _ = self.sock.recvmsg(1 << 18, _CMSG_SPACE)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return self._lost()
-        if not data:
-            return self._lost()
         ex = self.exchange
-        if ex is None:  # bytes nobody asked for: the connection cannot be trusted
-            return self._lost()
-        ex.feed(kernel_receive_time(anc), data)
+        while True:  # read what is waiting, chunk by chunk, each read with its own receive stamp
+            n = ex.want() if ex is not None else 1 << 16
+            try:
+                if ex is not None and not ex.in_body:  # the head: read up to its blank line, not into the body
+                    peek = self.sock.recv(4096, socket.MSG_PEEK)
+                    end = peek.find(b"\r\n\r\n")
+                    n = end + 4 if end >= 0 else max(len(peek), 1)
+                data, anc, _, _ = self.sock.recvmsg(n, _CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return self._lost()
+            if not data:
+                return self._lost()
+            if ex is None:  # bytes nobody asked for: the connection cannot be trusted
+                return self._lost()
+            ex.feed(kernel_receive_time(anc), data)
+            if len(data) < n or ex.done.done() or self.exchange is not ex:
+                return
 
     def write(self, data: bytes) -> None:
         if self.out:
