@@ -18,6 +18,11 @@ def test_ngram_pays_alone_and_stops_paying_as_the_batch_grows():
     assert P.pays(16, [2.3] * 16, [4] * 16, draft_cost=0.0)
 
 
+def test_proposals_riding_along_a_prefill_chunk_are_nearly_free():
+    assert not P.pays(16, [1.0] * 16, [4] * 16, draft_cost=0.0)
+    assert P.pays(16, [1.0] * 16, [4] * 16, draft_cost=0.0, prefill_tokens=496)
+
+
 def test_one_speculating_sequence_in_a_batch_pays_only_if_often_accepted():
     assert P.pays(16, [3.0], [4], draft_cost=0.0)
     assert not P.pays(16, [0.2], [4], draft_cost=0.0)

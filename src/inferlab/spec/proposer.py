@@ -31,8 +31,9 @@ class SpecPolicy:
 
     A step with n tokens costs 1 + token_cost * n (decode reads all weights once whatever n is, then pays per
     token); each batched draft pass costs draft_cost of a target pass (its share of the weight bytes). A step of B
-    decoding sequences, some verifying k_i proposals of which they have lately had g_i accepted per verification,
-    yields B + sum(min(g_i, k_i)) tokens. Speculate when that per unit of cost beats B / (1 + token_cost * B).
+    decoding sequences and P prefill tokens, some sequences verifying k_i proposals of which they have lately had
+    g_i accepted per verification, yields B + sum(min(g_i, k_i)) tokens. Speculate when that per unit of cost
+    beats B / (1 + token_cost * (B + P)): proposals riding along a prefill chunk are nearly free.
     Checked per sequence first (a sequence whose own record cannot pay sits out `cooldown_steps`, then tries again
     from `initial_accepted`), then for the whole step (larger batches make every extra token dearer).
     The running mean of accepted tokens per verification, not a per-token rate, is what predicts the gain:
@@ -47,15 +48,16 @@ class SpecPolicy:
     ema_weight: float = 0.3  # weight of the latest verification in the running mean
     always: bool = False  # speculate every step whatever it costs (tests, and the benchmark's "always" rows)
 
-    def pays(self, num_decoding: int, accepted: list[float], ks: list[int], draft_cost: float) -> bool:
+    def pays(self, num_decoding: int, accepted: list[float], ks: list[int], draft_cost: float,
+             prefill_tokens: int = 0) -> bool:
         if self.always:
             return True
         if not ks:
             return False
-        c = self.token_cost
-        plain = num_decoding / (1 + c * num_decoding)
+        c, n = self.token_cost, num_decoding + prefill_tokens
+        plain = num_decoding / (1 + c * n)
         tokens = num_decoding + sum(min(g, k) for g, k in zip(accepted, ks))
-        cost = 1 + c * (num_decoding + sum(ks)) + draft_cost * max(ks) * (1 + c * len(ks))
+        cost = 1 + c * (n + sum(ks)) + draft_cost * max(ks) * (1 + c * len(ks))
         return tokens / cost > plain
 
 
@@ -93,8 +95,15 @@ class Proposer:
         self.states = {s.request_id: old.get(s.request_id) or SeqSpecState(policy.initial_accepted)
                        for s in running}
         self.draft_probs = {}
-        # Only sequences that are decoding (all but the last token computed); a prefill is still catching up.
-        decoding = [s for s in running if s.num_computed_tokens == s.num_tokens - 1 and not s.is_finished]
+        # Only sequences that are decoding (all but the last token computed) speculate; the others still prefill,
+        # and with the waiting ones they will likely fill the rest of the next step's token budget.
+        decoding, prefill = [], sum(s.num_tokens for s in engine.scheduler.waiting)
+        for s in running:
+            if s.num_computed_tokens == s.num_tokens - 1:
+                decoding.append(s)
+            else:
+                prefill += s.num_tokens - s.num_computed_tokens
+        prefill = min(prefill, max(0, engine.scheduler.max_num_batched_tokens - len(decoding)))
         seqs, ks = [], []
         for s in decoding:
             st = self.states[s.request_id]
@@ -118,7 +127,8 @@ class Proposer:
             ks = [len(p) for p in proposals]
         if not any(ks):
             return
-        if not policy.pays(len(decoding), [self.states[s.request_id].accepted for s in seqs], ks, self.draft_cost):
+        if not policy.pays(len(decoding), [self.states[s.request_id].accepted for s in seqs], ks, self.draft_cost,
+                           prefill):
             self.num_steps_skipped += 1
             return
         if self.draft_cost > 0:
