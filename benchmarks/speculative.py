@@ -8,8 +8,8 @@ TPOT (time per output token after the first, per request, averaged over requests
 must produce the baseline's tokens; the table says whether it did. Each method runs twice: speculating every step
 ("always"), and under the engine's default SpecPolicy ("policy": skipped when its cost model says the step or
 the sequence would not pay). `--sweep` adds n-gram vs baseline at 1..16 concurrent requests on the
-grounded task; `--only steptime` times decode steps against the number of tokens in them: the data behind
-SpecPolicy.token_cost.
+grounded task; `--only steptime` times decode steps against the number of tokens in them and the context
+they attend to: the data behind SpecPolicy.token_cost and context_cost.
 Configurations alternate request by request (batch 1) or run by run (concurrent), so the machine's drifting load
 falls on all of them alike; the load average is recorded with the results.
 """
@@ -157,31 +157,44 @@ def bench(llm: LLM, cfgs: dict, prompts: list[list[dict]], params: SamplingParam
     return rows
 
 
-def steptime(llm: LLM, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), steps: int = 12) -> dict:
-    """Fastest decode-step time at n decoding sequences (short contexts; the minimum, because other processes on
-    a shared machine only ever add time), and its least-squares line a + b*n: SpecPolicy.token_cost is b / a."""
+def time_decode_steps(llm: LLM, prompts: list[list[int]], steps: int = 12) -> float:
+    """Fastest of `steps` pure decode steps over these prompts (the minimum: other processes on a shared machine
+    only ever add time)."""
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    best = {}
-    for n in sizes:
-        for i in range(n):
-            eng.add_request(f"steptime-{n}-{i}", list(range(100 + i, 116 + i)), sp)
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)  # nobody finishes while timed
+    ids = [f"steptime-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, sp)
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.requests.values()) or eng.scheduler.waiting:
         eng.step()
-        eng.step()  # every prompt computed: the next steps are pure decodes of n tokens
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            eng.step()
-            times.append(time.perf_counter() - t0)
-        best[n] = min(times)
-        for i in range(n):
-            eng.abort(f"steptime-{n}-{i}")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    for rid in ids:
+        eng.abort(rid)
+    return min(times)
+
+
+def steptime(llm: LLM, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> dict:
+    """Decode-step time against tokens per step (short contexts) and against context length (16 sequences):
+    the data behind SpecPolicy.token_cost (b / a of the line a + b * tokens) and context_cost."""
+    # Distinct first tokens: no prefix-cache hits between the sequences.
+    best = {n: time_decode_steps(llm, [[100 + i, *range(200, 215)] for i in range(n)]) for n in sizes}
     xs, ys = list(best), list(best.values())
     b = statistics.covariance(xs, ys) / statistics.variance(xs)
     a = statistics.mean(ys) - b * statistics.mean(xs)
-    print("\ndecode step time: " + ", ".join(f"{n} tok {t * 1e3:.1f} ms" for n, t in best.items()))
-    print(f"fit: {a * 1e3:.1f} ms + {b * 1e3:.2f} ms/token -> token_cost = {b / a:.3f}")
-    return {"best_s": best, "a_s": a, "b_s": b, "token_cost": b / a}
+    short = best.get(16) or time_decode_steps(llm, [[100 + i, *range(200, 215)] for i in range(16)])
+    # Unequal lengths (100..700, mean 400), as in any real batch: attention pads to the longest and masks.
+    long = time_decode_steps(llm, [[100 + i, *range(200, 299 + 40 * i)] for i in range(16)])
+    d = (long - short) / (16 * (400 - 16))
+    print("\ndecode step time: " + ", ".join(f"{n} tok {t * 1e3:.1f} ms" for n, t in best.items())
+          + f"; 16 tok at 400-token contexts {long * 1e3:.1f} ms")
+    print(f"fit: {a * 1e3:.1f} ms + {b * 1e3:.2f} ms/token + {d * 1e3:.4f} ms/context token -> token_cost = "
+          f"{b / a:.3f}, context_cost = {d / a:.5f}")
+    return {"best_s": best, "long_context_s": long, "a_s": a, "b_s": b, "d_s": d, "token_cost": b / a,
+            "context_cost": d / a}
 
 
 def print_table(title: str, rows: dict) -> None:

@@ -23,6 +23,11 @@ def test_proposals_riding_along_a_prefill_chunk_are_nearly_free():
     assert P.pays(16, [1.0] * 16, [4] * 16, draft_cost=0.0, prefill_tokens=496)
 
 
+def test_long_contexts_make_the_extra_tokens_relatively_cheap():
+    # 16 sequences of ~270 tokens: attention over the context costs as much as the weights (measured).
+    assert P.pays(16, [1.0] * 16, [4] * 16, draft_cost=0.0, context_tokens=16 * 270)
+
+
 def test_one_speculating_sequence_in_a_batch_pays_only_if_often_accepted():
     assert P.pays(16, [3.0], [4], draft_cost=0.0)
     assert not P.pays(16, [0.2], [4], draft_cost=0.0)

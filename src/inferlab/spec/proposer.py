@@ -29,36 +29,41 @@ class SpeculativeConfigError(ModelLoadError):
 class SpecPolicy:
     """When speculation does not pay, skip it: a cost model in units of a one-token decode step.
 
-    A step with n tokens costs 1 + token_cost * n (decode reads all weights once whatever n is, then pays per
-    token); each batched draft pass costs draft_cost of a target pass (its share of the weight bytes). A step of B
-    decoding sequences and P prefill tokens, some sequences verifying k_i proposals of which they have lately had
-    g_i accepted per verification, yields B + sum(min(g_i, k_i)) tokens. Speculate when that per unit of cost
-    beats B / (1 + token_cost * (B + P)): proposals riding along a prefill chunk are nearly free.
+    A step costs 1 + token_cost * (tokens in it) + context_cost * (context tokens its decoding sequences attend
+    to): decode reads all weights once however many tokens it carries, then pays per token, and attention reads
+    every sequence's whole KV whatever its query length. Each batched draft pass costs draft_cost of a target pass
+    (its share of the weight bytes). A step of B decoding sequences with C context tokens and P prefill tokens,
+    some sequences verifying k_i proposals of which they have lately had g_i accepted per verification, yields
+    B + sum(min(g_i, k_i)) tokens. Speculate when that per unit of cost beats B tokens at the plain step's cost:
+    proposals riding along a prefill chunk or long contexts are nearly free.
     Checked per sequence first (a sequence whose own record cannot pay sits out `cooldown_steps`, then tries again
     from `initial_accepted`), then for the whole step (larger batches make every extra token dearer).
     The running mean of accepted tokens per verification, not a per-token rate, is what predicts the gain:
     acceptance comes in runs (a copied span is accepted whole, new text not at all).
     """
 
-    # `benchmarks/speculative.py --only steptime` on a 2-core EPYC (bfloat16, one thread): decode steps cost about
-    # 100 ms + 5.5 ms per token, so 0.06. A GPU at small batch is nearer 0.005: speculation pays longer there.
+    # `benchmarks/speculative.py --only steptime` on a 2-core EPYC (bfloat16, one thread): a decode step costs
+    # about 42 ms + 2.5 ms per token + 0.064 ms per context token (attention dominates from a few hundred tokens
+    # of context at 16 sequences). A GPU at small batch has a far smaller token_cost: speculation pays longer.
     token_cost: float = 0.06
+    context_cost: float = 0.0015
     initial_accepted: float = 1.0
     cooldown_steps: int = 16
     ema_weight: float = 0.3  # weight of the latest verification in the running mean
     always: bool = False  # speculate every step whatever it costs (tests, and the benchmark's "always" rows)
 
     def pays(self, num_decoding: int, accepted: list[float], ks: list[int], draft_cost: float,
-             prefill_tokens: int = 0) -> bool:
+             prefill_tokens: int = 0, context_tokens: int = 0) -> bool:
         if self.always:
             return True
         if not ks:
             return False
-        c, n = self.token_cost, num_decoding + prefill_tokens
-        plain = num_decoding / (1 + c * n)
+        c = self.token_cost
+        plain_cost = 1 + c * (num_decoding + prefill_tokens) + self.context_cost * context_tokens
         tokens = num_decoding + sum(min(g, k) for g, k in zip(accepted, ks))
-        cost = 1 + c * (n + sum(ks)) + draft_cost * max(ks) * (1 + c * len(ks))
-        return tokens / cost > plain
+        draft_pass = 1 + c * len(ks) + self.context_cost * context_tokens  # the draft model's pass, unscaled
+        cost = plain_cost + c * sum(ks) + draft_cost * max(ks) * draft_pass
+        return tokens / cost > num_decoding / plain_cost
 
 
 @dataclass(slots=True)
@@ -117,7 +122,7 @@ class Proposer:
             k = min(self.k, s.params.max_tokens - s.num_output_tokens - 1, engine.max_model_len - s.num_tokens - 1)
             if k <= 0:
                 continue
-            if not policy.pays(1, [st.accepted], [k], self.draft_cost):
+            if not policy.pays(1, [st.accepted], [k], self.draft_cost, context_tokens=s.num_tokens):
                 st.cooldown = policy.cooldown_steps
                 continue
             seqs.append(s)
@@ -128,7 +133,7 @@ class Proposer:
         if not any(ks):
             return
         if not policy.pays(len(decoding), [self.states[s.request_id].accepted for s in seqs], ks, self.draft_cost,
-                           prefill):
+                           prefill, sum(s.num_tokens for s in decoding)):
             self.num_steps_skipped += 1
             return
         if self.draft_cost > 0:
