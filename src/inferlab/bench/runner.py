@@ -228,7 +228,7 @@ def new_loop_runner():
 
 # --- worker processes ---------------------------------------------------------------------------------------
 
-def _process_main(plan: WorkerPlan, next_index, done, failed, barrier, t0_value) -> None:
+def _process_main(plan: WorkerPlan, next_index, done, failed, stopped, barrier, t0_value) -> None:
     for sig in (signal.SIGINT, signal.SIGUSR1):  # until the loop's own handlers are in place
         signal.signal(sig, signal.SIG_IGN)
     # Everything slow happens before the barrier: the clock must not start while a worker is still loading.
@@ -251,7 +251,9 @@ def _process_main(plan: WorkerPlan, next_index, done, failed, barrier, t0_value)
             with failed.get_lock():
                 failed.value += 1
 
-    loop.run_until_complete(run_worker(plan, stop, on_done, _Counter(next_index), pool))
+    _, interrupted = loop.run_until_complete(run_worker(plan, stop, on_done, _Counter(next_index), pool))
+    if interrupted:
+        stopped.value = 1
     loop.close()
 
 
@@ -261,10 +263,13 @@ async def run_processes(plans: list[WorkerPlan], stop: asyncio.Event,
     t0 to the shared clock origin. Returns whether the run was interrupted."""
     ctx = mp.get_context("spawn")
     next_index, done, failed = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Value("q", 0)
+    # A terminal's Ctrl-C reaches the workers too, and they may all be gone before this loop sees its own stop:
+    # each says whether it was cut short.
+    stopped = ctx.Value("b", 0)
     t0_value = ctx.Value("d", 0.0)
     barrier = ctx.Barrier(len(plans) + 1)
-    procs = [ctx.Process(target=_process_main, args=(p, next_index, done, failed, barrier, t0_value), daemon=True)
-             for p in plans]
+    procs = [ctx.Process(target=_process_main, daemon=True,
+                         args=(p, next_index, done, failed, stopped, barrier, t0_value)) for p in plans]
     for p in procs:
         p.start()
     loop = asyncio.get_running_loop()
@@ -287,6 +292,7 @@ async def run_processes(plans: list[WorkerPlan], stop: asyncio.Event,
         progress(done.value, failed.value)
     for p in procs:
         p.join()
+    interrupted = interrupted or bool(stopped.value)
     bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
     if bad and not interrupted:
         raise RuntimeError(f"{len(bad)} bench worker process(es) failed (exit codes {bad}); see the messages above")
