@@ -105,7 +105,7 @@ def _forward_without_cache(model, ids, pos, meta):
         a = layer.self_attn.attn
         saved.append((a.k_cache, a.v_cache))
         dtype = a.k_cache.dtype if a.k_cache.numel() else torch.float32
-        a.k_cache = torch.empty(T, 1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=ids.device)
+        a.k_cache = torch.empty(cfg.num_kv_heads, T, 1, cfg.head_dim, dtype=dtype, device=ids.device)
         a.v_cache = torch.empty_like(a.k_cache)
     meta.slot_mapping = torch.arange(T, device=ids.device)
     try:

@@ -22,7 +22,7 @@ import torch
 from inferlab.engine.errors import ModelLoadError
 from inferlab.engine.sampler import exponential_noise, sampling_probs
 from inferlab.engine.sequence import Sequence
-from inferlab.layers.attention import AttentionMetadata
+from inferlab.layers.attention import AttentionMetadata, allocate_kv_cache
 from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError
 
 if TYPE_CHECKING:
@@ -49,12 +49,9 @@ class DraftProposer(Proposer):
         self._draft_cost = _weight_bytes(self.model, self.num_layers) / _weight_bytes(target, target.config.num_layers)
         self.kv_cache: torch.Tensor | None = None
         if not self.shared_kv:
-            cfg, r = self.model.config, engine.runner
-            self.kv_cache = torch.zeros(self.num_layers, 2, r.num_blocks, r.block_size, cfg.num_kv_heads,
-                                        cfg.head_dim, dtype=r.kv_cache.dtype, device=r.kv_cache.device)
-            for i, layer in enumerate(self.model.model.layers[: self.num_layers]):
-                layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
-                layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+            r = engine.runner
+            self.kv_cache = allocate_kv_cache(self.model.model.layers[: self.num_layers], r.num_blocks, r.block_size,
+                                              r.kv_cache.dtype, r.kv_cache.device)
         logging.getLogger("inferlab.engine").info(
             "speculative draft: %s, %d layers, k=%d, %.2f of the target's weight bytes per pass, own KV %.1f MiB",
             draft_model or "the target's own", self.num_layers, self.k, self._draft_cost, self.kv_cache_bytes / 2**20)

@@ -1,0 +1,98 @@
+"""Paged attention and packed linear layers against dense float64 references (no model needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inferlab.layers import attention as attention_mod
+from inferlab.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
+from inferlab.layers.packed_linear import PackedLinear, pack_linears, packing_available
+
+HEADS, KV_HEADS, DIM, BS, BLOCKS = 6, 2, 16, 4, 64
+
+
+def dense_attention(q, k, v):
+    """q: [heads, dim] for the last position; k, v: [L, kv_heads, dim] -> [heads, dim], in float64."""
+    g = HEADS // KV_HEADS
+    k, v = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
+    s = torch.einsum("hd,lhd->hl", q.double(), k) * DIM**-0.5
+    return torch.einsum("hl,lhd->hd", s.softmax(-1), v)
+
+
+def layer_with_pool(dtype):
+    layer = PagedAttention(HEADS, KV_HEADS, DIM)
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = nn.Module()
+            self.self_attn.attn = layer
+
+    attention_mod.allocate_kv_cache([Holder()], BLOCKS, BS, dtype, "cpu")
+    return layer
+
+
+@pytest.mark.parametrize("batch", [1, 3, 9])  # both sides of SDPA_MAX_DECODE_BATCH
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_dense_reference(batch, dtype):
+    assert attention_mod.SDPA_MAX_DECODE_BATCH < 9
+    torch.manual_seed(0)
+    layer = layer_with_pool(dtype)
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 40, batch)  # context lengths, the new token included
+    free = rng.permutation(BLOCKS).tolist()
+    tables = [[free.pop() for _ in range(-(-int(n) // BS))] for n in lens]
+    # Fill each sequence's past K/V straight into its blocks, then run one decode step for the last token.
+    pasts = []
+    for n, table in zip(lens, tables):
+        k, v = torch.randn(int(n), KV_HEADS, DIM).to(dtype), torch.randn(int(n), KV_HEADS, DIM).to(dtype)
+        for pos in range(int(n) - 1):
+            b, o = table[pos // BS], pos % BS
+            layer.k_cache[:, b, o], layer.v_cache[:, b, o] = k[pos], v[pos]
+        pasts.append((k, v))
+    q = torch.randn(batch, HEADS, DIM).to(dtype)
+    k_new = torch.stack([k[-1] for k, _ in pasts])
+    v_new = torch.stack([v[-1] for _, v in pasts])
+    slots = torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens)])
+    nblk = max(len(t) for t in tables)
+    bt = torch.zeros(batch, nblk, dtype=torch.long)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    mask = (torch.arange(nblk * BS)[None, :] < torch.tensor(lens)[:, None]).view(batch, 1, 1, -1)
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
+                             decode=AttentionGroup(bt, mask, None, None), extend=None)
+    out = layer(q, k_new, v_new, meta).view(batch, HEADS, DIM)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (k, v) in enumerate(pasts):
+        ref = dense_attention(q[i], k, v)
+        assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())
+
+
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 100])  # both sides of GEMV_MAX_ROWS
+def test_packed_linear_equals_dense_matmul(rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 160, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 96).bfloat16()
+    ref = x.double() @ lin.weight.double().T
+    y = PackedLinear(lin)(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 160)
+    # bf16 output: about three significant digits.
+    assert torch.allclose(y.double(), ref, atol=2e-2, rtol=1e-2)
+    assert torch.allclose(y, F.linear(x, lin.weight), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
+def test_pack_linears_keeps_tied_weights_and_skips_other_dtypes():
+    emb = nn.Embedding(50, 32).to(torch.bfloat16)
+    head = nn.Linear(32, 50, bias=False).to(torch.bfloat16)
+    head.weight = emb.weight
+    net = nn.ModuleDict({"emb": emb, "head": head, "f32": nn.Linear(32, 8, bias=False)})
+    added = pack_linears(net)
+    assert isinstance(net["head"], PackedLinear) and net["head"].weight is emb.weight
+    assert type(net["f32"]) is nn.Linear  # fp32 stays on MKL's path: no packing
+    assert added == 50 * 32 * 2
