@@ -86,7 +86,7 @@ class LLMEngine:
             self.max_len_reason = f"the KV cache pool ({num_blocks} blocks of {bs} tokens)"
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, num_blocks, bs, self.dtype, self.device)
+        self.runner = ModelRunner(loaded.model, num_blocks, bs, self.dtype, self.device, config.pack_weights)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = {t for t in (cfg.eos_token_id, self.tokenizer.eos_token_id) if t is not None}
@@ -96,9 +96,10 @@ class LLMEngine:
         self.proposer = make_proposer(config, self)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
-        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB, KV pool %d blocks x %d tokens = %.1f MiB; "
-                 "quantization: %s", self.model_path.name, self.device, self.dtype, loaded.load_seconds,
-                 self.weight_bytes / 2**20, num_blocks, bs, self.runner.kv_cache_bytes / 2**20, self.quant_path)
+        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed for oneDNN), KV pool %d blocks x "
+                 "%d tokens = %.1f MiB; quantization: %s", self.model_path.name, self.device, self.dtype,
+                 loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20, num_blocks,
+                 bs, self.runner.kv_cache_bytes / 2**20, self.quant_path)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:

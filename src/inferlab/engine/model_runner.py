@@ -9,7 +9,8 @@ import torch
 
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Sequence
-from inferlab.layers.attention import AttentionGroup, AttentionMetadata
+from inferlab.layers.attention import AttentionGroup, AttentionMetadata, allocate_kv_cache
+from inferlab.layers.packed_linear import pack_linears
 from inferlab.models.llama import LlamaForCausalLM
 
 
@@ -25,19 +26,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                 device: torch.device):
-        cfg = model.config
+                 device: torch.device, pack_weights: bool = True):
         self.model = model
         model.pad_rows = device.type == "cpu" and next(model.parameters()).dtype == torch.float32
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # One pool for all layers: [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=kv_dtype, device=device)
-        for i, layer in enumerate(model.model.layers):
-            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
-            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        # Extra bytes held by oneDNN-packed copies of bf16 CPU weights (see layers/packed_linear.py).
+        self.packed_weight_bytes = pack_linears(model) if pack_weights else 0
+        self.kv_cache = allocate_kv_cache(model.model.layers, num_blocks, block_size, kv_dtype, device)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -1,0 +1,71 @@
+"""CPU bf16 matmul paths for a decoder's weights, out of cache: which kernel to use at which batch size.
+
+    python benchmarks/linear_kernels.py [--rows 1 2 4 8 16 64 256]
+
+Multiplies a batch of `rows` activations by every weight of SmolLM2-135M's 30 layers (fused QKV, O, gate/up,
+down; random values, real shapes: 212 MB in bf16, far more than the caches) with three paths:
+  F.linear           what nn.Linear does: oneDNN's bf16 GEMM
+  gemv (no oneDNN)   F.linear with oneDNN switched off: torch's own kernel, a matrix-vector product per row
+  packed             oneDNN with the weight reordered ahead of time (what layers/packed_linear.py keeps)
+and prints milliseconds per pass and the weight bytes read per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's four matmuls
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
+    ap.add_argument("--layers", type=int, default=30)
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(o, i, generator=g).bfloat16() for o, i in SHAPES] for _ in range(args.layers)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
+    nbytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {nbytes / 1e6:.0f} MB of bf16 weights")
+    print(f"{'rows':>5} {'F.linear ms':>12} {'gemv ms':>9} {'packed ms':>10}   GB/s: linear / gemv / packed")
+    for m in args.rows:
+        xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}
+
+        def linear():
+            for layer in weights:
+                for w in layer:
+                    F.linear(xs[w.shape[1]], w)
+
+        def gemv():
+            torch._C._set_mkldnn_enabled(False)
+            try:
+                linear()
+            finally:
+                torch._C._set_mkldnn_enabled(True)
+
+        def pack():
+            for layer, players in zip(weights, packed):
+                for w, p in zip(layer, players):
+                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+        t = [best_of(f) for f in (linear, gemv, pack)]
+        print(f"{m:>5} {t[0] * 1e3:>12.2f} {t[1] * 1e3:>9.2f} {t[2] * 1e3:>10.2f}   "
+              + " / ".join(f"{nbytes / x / 1e9:.1f}" for x in t), flush=True)
+
+
+if __name__ == "__main__":
+    main()
