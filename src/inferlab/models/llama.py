@@ -27,9 +27,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Q and K heads lie side by side: rotate them in one pass (per-op overhead dominates at batch 1).
+        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), meta)
         return self.o_proj(o)
 
