@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 # name -> (module, one-line help). The module defines add_arguments(parser) and run(args) -> int.
@@ -34,10 +33,6 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # OpenMP threads that spin-wait collapse when anything else wants the same cores (the HTTP thread, a bench
-    # client, a neighbour): a batch-1 step went from ~0.1 s to ~1.5 s on a busy 2-core machine. Passive waiting
-    # costs a wake-up per parallel region instead. Set before torch loads; an explicit setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         parser = _top_parser()
