@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferlab.kernels import cpu_kernels
 from inferlab.layers import attention as attention_mod
 from inferlab.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
 from inferlab.layers.packed_linear import PackedLinear, pack_linears, packing_available
@@ -36,10 +37,13 @@ def layer_with_pool(dtype):
     return layer
 
 
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
 @pytest.mark.parametrize("batch", [1, 3, 9])  # both sides of SDPA_MAX_DECODE_BATCH
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_dense_reference(batch, dtype):
+def test_decode_attention_matches_dense_reference(backend, batch, dtype):
     assert attention_mod.SDPA_MAX_DECODE_BATCH < 9
+    if backend == "kernel" and cpu_kernels() is None:
+        pytest.skip("the CPU kernel could not be built here (the engine logs why and uses the torch path)")
     torch.manual_seed(0)
     layer = layer_with_pool(dtype)
     rng = np.random.default_rng(0)
@@ -63,13 +67,31 @@ def test_decode_attention_matches_dense_reference(batch, dtype):
     for i, t in enumerate(tables):
         bt[i, :len(t)] = torch.tensor(t)
     mask = (torch.arange(nblk * BS)[None, :] < torch.tensor(lens)[:, None]).view(batch, 1, 1, -1)
+    lens_t = torch.tensor(lens, dtype=torch.long) if backend == "kernel" else None  # no lengths: torch path
     meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=batch,
-                             decode=AttentionGroup(bt, mask, None, None), extend=None)
+                             decode=AttentionGroup(bt, mask, None, None, context_lens=lens_t), extend=None)
     out = layer(q, k_new, v_new, meta).view(batch, HEADS, DIM)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (k, v) in enumerate(pasts):
         ref = dense_attention(q[i], k, v)
         assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())
+
+
+def test_decode_kernel_is_batch_invariant():
+    """A sequence's attention output is bit-identical alone and among others (each (sequence, KV head) pair does
+    the same arithmetic whatever shares the batch)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernel could not be built here")
+    torch.manual_seed(0)
+    k, v = torch.randn(KV_HEADS, BLOCKS, BS, DIM), torch.randn(KV_HEADS, BLOCKS, BS, DIM)
+    q = torch.randn(8, HEADS, DIM)
+    tables = torch.randint(0, BLOCKS, (8, 10))
+    lens = torch.randint(1, 41, (8,))
+    together = kernels.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5)
+    for i in range(8):
+        alone = kernels.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], DIM**-0.5)
+        assert torch.equal(alone[0], together[i])
 
 
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
@@ -96,3 +118,30 @@ def test_pack_linears_keeps_tied_weights_and_skips_other_dtypes():
     assert isinstance(net["head"], PackedLinear) and net["head"].weight is emb.weight
     assert type(net["f32"]) is nn.Linear  # fp32 stays on MKL's path: no packing
     assert added == 50 * 32 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 80])  # one thread and several
+def test_fused_norm_and_swiglu_round_like_the_unfused_ops(dtype, rows):
+    """bf16: bit-identical to the separate torch ops (same rounding points); fp32: within summation-order ulps."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    g = torch.Generator().manual_seed(rows)
+    x, r = torch.randn(rows, 576, generator=g).to(dtype), torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    h = x + r
+    hf = h.float()
+    ref = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # transformers' Llama order
+    normed, summed = kernels.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(summed, h)
+    gu = torch.randn(rows, 2 * 1536, generator=g).to(dtype)
+    gate, up = gu.split(1536, dim=-1)
+    ref_mlp = F.silu(gate) * up
+    out = kernels.silu_mul(gu)
+    if dtype == torch.bfloat16:
+        assert torch.equal(normed, ref) and torch.equal(out, ref_mlp)
+    else:
+        assert torch.allclose(normed, ref, rtol=1e-5, atol=1e-5) and torch.allclose(out, ref_mlp, rtol=1e-5, atol=1e-6)
+    alone, _ = kernels.add_rms_norm(x[:1], r[:1], w, 1e-5)
+    assert torch.equal(alone[0], normed[0])  # rows never depend on each other: batch-invariant

@@ -114,6 +114,7 @@ class ModelRunner:
             mask=torch.from_numpy(mask[:, None]).to(dev),
             q_index=q_index,
             out_index=out_index,
+            context_lens=torch.from_numpy(np.ascontiguousarray(ends, dtype=np.int64)).to(dev),
         )
 
     @torch.inference_mode()

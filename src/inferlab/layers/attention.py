@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferlab.kernels import cpu_kernels
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -21,6 +23,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, max_q, max_blocks * block_size] bool, True = may attend
     q_index: torch.Tensor | None  # [B, max_q] rows of the group's flat tokens (padded queries repeat row 0)
     out_index: torch.Tensor | None  # [n_tokens] positions in the padded [B * max_q] output that hold real tokens
+    context_lens: torch.Tensor | None = None  # [B] int64 keys each sequence attends to after this step
     # Rows of a layer's pool viewed as [kv_heads * num_blocks, block_size * dim], made by the first layer that
     # gathers and reused by the rest: (kv_heads, num_blocks, index).
     gather_rows: tuple[int, int, torch.Tensor] | None = None
@@ -101,9 +104,14 @@ class PagedAttention(nn.Module):
                 self.v_cache.view(H * N, bs * dim).index_select(0, rows).view(shape))
 
     def _decode(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
-        """One query per sequence. The query heads sharing a KV head become that head's query rows
-        ([kv_heads, B, group, dim]), so grouped-query attention is a plain batched matmul with no K/V expansion."""
+        """One query per sequence."""
         B = q.shape[0]
+        kernels = cpu_kernels() if q.device.type == "cpu" and g.context_lens is not None else None
+        if kernels is not None and q.dtype == self.k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16):
+            return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, g.block_tables, g.context_lens,
+                                                  self.scale)
+        # The torch path: gather the past, then the query heads sharing a KV head become that head's query rows
+        # ([kv_heads, B, group, dim]), so grouped-query attention is a plain batched matmul with no K/V expansion.
         k, v = self._gather(g)
         qg = q.view(B, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).to(k.dtype)
         mask = g.mask.view(1, B, 1, -1)  # [B, 1, 1, L] -> broadcast over heads and the group's rows

@@ -1,0 +1,38 @@
+"""inferlab's own CPU kernels, compiled on first use with torch's extension builder (cached under
+~/.cache/torch_extensions, rebuilt when the source changes).
+
+Where the build cannot run (no C++ compiler, a torch without headers) the engine logs why once and uses its
+pure-torch path, which computes the same thing more slowly. INFERLAB_KERNELS=0 forces that path (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("inferlab.engine")
+
+_SOURCES = [str(Path(__file__).with_name(f)) for f in ("paged_decode_attention.cpp", "fused_elementwise.cpp")]
+# -fopenmp: at::parallel_for is inline and runs on one thread without it (it joins torch's own libgomp, same
+# soname). -fassociative-math and friends let the compiler vectorise the fp32 dot products and sums (a fixed
+# order per build: results stay deterministic); no -ffast-math, so exp and infinities keep their IEEE meaning.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+           "-fno-trapping-math"]
+
+
+@functools.cache
+def cpu_kernels():
+    """The compiled module, or None where it cannot be built or is switched off."""
+    if os.environ.get("INFERLAB_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="inferlab_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # a missing compiler or header shows up as one of several exception types
+        log.warning("inferlab's CPU attention kernel could not be built (%s: %s); using the torch path",
+                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None

@@ -1,0 +1,157 @@
+// Decode attention straight from the paged KV pool, for the CPU.
+//
+// One query token per sequence. Work is split over (sequence, KV head) pairs; each pair reads its K/V rows in
+// place through the block table (no gather into a contiguous copy), scores all the query heads that share the KV
+// head against each row while it is in cache, and keeps an online softmax in fp32, one block of positions at a
+// time. Every pair does the same arithmetic whatever else is in the batch, so the result is batch-invariant.
+//
+// Layout (see layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; q [B, heads, head_dim].
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+
+inline float load(const at::BFloat16* p, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = static_cast<at::BFloat16>(v); }
+
+// DIM > 0 fixes the head size at compile time (full unrolling into vector registers); 0 reads it at run time.
+template <typename T, int64_t DIM>
+void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+            int64_t B, int64_t H, int64_t KVH, int64_t N, int64_t BS, int64_t D_, int64_t max_blocks, float scale) {
+  const int64_t D = DIM > 0 ? DIM : D_;
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), kf(BS * D), vf(BS * D), scores(G * BS), m(G), l(G);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / KVH, h = i % KVH;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(q, (b * H + h * G + g) * D + d) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      const int64_t len = lens[b];
+      for (int64_t start = 0; start < len; start += BS) {
+        const int64_t n = std::min(BS, len - start);
+        const int64_t base = (h * N + tables[b * max_blocks + start / BS]) * BS * D;
+        if (start + BS < len) {  // blocks are scattered: start fetching the next one while this one computes
+          const int64_t next = (h * N + tables[b * max_blocks + start / BS + 1]) * BS * D;
+          const char* nk = reinterpret_cast<const char*>(kc + next);
+          const char* nv = reinterpret_cast<const char*>(vc + next);
+          for (int64_t off = 0; off < static_cast<int64_t>(BS * D * sizeof(T)); off += 64) {
+            __builtin_prefetch(nk + off);
+            __builtin_prefetch(nv + off);
+          }
+        }
+        // The block's K and V rows, widened to fp32 once (a block is contiguous: n * D values).
+#pragma omp simd
+        for (int64_t e = 0; e < n * D; ++e) kf[e] = load(kc, base + e);
+#pragma omp simd
+        for (int64_t e = 0; e < n * D; ++e) vf[e] = load(vc, base + e);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float* sg = scores.data() + g * BS;
+          for (int64_t j = 0; j < n; ++j) {
+            const float* kr = kf.data() + j * D;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * kr[d];
+            sg[j] = s;
+          }
+          float bm = m[g];
+          for (int64_t j = 0; j < n; ++j) bm = std::max(bm, sg[j]);
+          const float corr = expf(m[g] - bm);  // 0 on the first block (m = -inf)
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) {
+            sg[j] = expf(sg[j] - bm);
+            sum += sg[j];
+          }
+          l[g] = l[g] * corr + sum;
+          m[g] = bm;
+          float* a = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+          for (int64_t j = 0; j < n; ++j) {
+            const float w = sg[j];
+            const float* vr = vf.data() + j * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) store(out, (b * H + h * G + g) * D + d, acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out, int64_t B,
+              int64_t H, int64_t KVH, int64_t N, int64_t BS, int64_t D, int64_t max_blocks, float scale) {
+  if (D == 64) {
+    decode<T, 64>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
+  } else if (D == 128) {
+    decode<T, 128>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
+  } else {
+    decode<T, 0>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
+  }
+}
+
+}  // namespace
+
+// q [B, H, D]; k_cache, v_cache [KVH, N, BS, D]; block_tables [B, max_blocks] int64; context_lens [B] int64.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the pool must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
+              "block tables and lengths must be int64");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), N = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head counts or dims disagree");
+  auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == torch::kBFloat16) {
+    dispatch(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+           block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H,
+           KVH, N, BS, D, block_tables.size(1), s);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kFloat, "float32 or bfloat16 only");
+    dispatch(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+           block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH,
+           N, BS, D, block_tables.size(1), s);
+  }
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
+}
