@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from inferlab.kernels import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -14,6 +16,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new_residual). With a residual, adds it first: the pre-norm block's `h = x + r; norm(h)`."""
+        kernels = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 and not x.requires_grad else None
+        if kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and self.weight.dtype == x.dtype:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)  # same rounding points, one pass
         if residual is not None:
             x = x + residual
         xf = x.float()

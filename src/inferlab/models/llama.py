@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferlab.kernels import cpu_kernels
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
 from inferlab.layers.rotary import RotaryEmbedding, apply_rotary
@@ -43,7 +44,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = cpu_kernels() if x.device.type == "cpu" and gate_up.dim() == 2 and not x.requires_grad else None
+        if kernels is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
+            return self.down_proj(kernels.silu_mul(gate_up))  # one pass, the unfused ops' rounding
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
