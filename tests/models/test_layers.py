@@ -145,3 +145,30 @@ def test_fused_norm_and_swiglu_round_like_the_unfused_ops(dtype, rows):
         assert torch.allclose(normed, ref, rtol=1e-5, atol=1e-5) and torch.allclose(out, ref_mlp, rtol=1e-5, atol=1e-6)
     alone, _ = kernels.add_rms_norm(x[:1], r[:1], w, 1e-5)
     assert torch.equal(alone[0], normed[0])  # rows never depend on each other: batch-invariant
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_kv_write_matches_rotary_then_store(dtype):
+    """Q/K rotated as apply_rotary rotates them (bit-identical in bf16), and K/V stored at exactly their slots;
+    rows past the slot mapping (padding) are rotated but never stored."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    from inferlab.layers.rotary import apply_rotary
+
+    T, H, KVH, D = 5, 9, 3, 64
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    cos, sin = torch.randn(T, 1, D, generator=g).to(dtype), torch.randn(T, 1, D, generator=g).to(dtype)
+    kc, vc = torch.zeros(KVH, 10, 4, D, dtype=dtype), torch.zeros(KVH, 10, 4, D, dtype=dtype)
+    slots = torch.tensor([5, 6, 17, 39])  # 4 of 5 rows: the last is padding
+    q, k = kernels.rotary_kv_write(qkv, cos, sin, kc, vc, slots, H, KVH)
+    ref = apply_rotary(qkv[:, :(H + KVH) * D].view(T, H + KVH, D), cos, sin)
+    if dtype == torch.bfloat16:
+        assert torch.equal(q, ref[:, :H]) and torch.equal(k, ref[:, H:])
+    else:  # fp32: the compiler may fuse a multiply-add (one rounding fewer)
+        assert torch.allclose(q, ref[:, :H], atol=1e-5) and torch.allclose(k, ref[:, H:], atol=1e-5)
+    v = qkv[:, (H + KVH) * D:].view(T, KVH, D)
+    for t, s in enumerate(slots.tolist()):
+        assert torch.equal(kc[:, s // 4, s % 4], k[t]) and torch.equal(vc[:, s // 4, s % 4], v[t])
+    assert int((kc != 0).any(-1).sum()) == KVH * len(slots)  # nothing else written

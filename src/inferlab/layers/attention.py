@@ -1,9 +1,10 @@
 """Paged attention over a block-structured KV pool.
 
 A step's tokens arrive flat: first the decode tokens (one per sequence, query length 1), then the "extend" tokens
-(prefill chunks, or several tokens per sequence when verifying speculative proposals). Each group is attended in one
-batched SDPA call over keys gathered through the block tables; grouping keeps a long prefill chunk from padding every
-decode query to its length.
+(prefill chunks, or several tokens per sequence when verifying speculative proposals). Decodes go to inferlab's CPU
+kernel, which reads the pool in place through the block tables (or, without it, to a batched matmul over gathered
+keys); extends to one batched SDPA call over keys gathered through the block tables. Grouping keeps a long prefill
+chunk from padding every decode query to its length.
 """
 
 from __future__ import annotations
@@ -44,31 +45,35 @@ SDPA_MAX_DECODE_BATCH = 4
 
 
 class PagedAttention(nn.Module):
-    """The KV pool layout is [kv_heads, num_blocks, block_size, head_dim] per layer, heads outermost: gathering a
-    batch's blocks along dim 1 then yields [kv_heads, B, L, head_dim] with each (head, sequence) contiguous, which
-    batched matmuls read without a copy. (Blocks outermost would need a transposing copy after every gather;
-    measured, that and torch's SDPA decode kernel with q_len 1 made decode attention 3-10x slower.)"""
+    """The KV pool layout is [kv_heads, num_blocks, block_size, head_dim] per layer, heads outermost: a block of one
+    head is one contiguous run, which the CPU decode kernel reads in place, and gathering a batch's blocks yields
+    [kv_heads, B, L, head_dim] with each (head, sequence) contiguous, which batched matmuls read without a copy.
+    (Blocks outermost needed a transposing copy after every gather; measured, that and torch's SDPA decode kernel
+    with one query row made decode attention 3-10x slower.)"""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
-        # Bound to this layer's slice of the pool by bind_kv_cache: [kv_heads, num_blocks, block_size, head_dim].
+        # Bound to this layer's slice of the pool by allocate_kv_cache: [kv_heads, num_blocks, block_size, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
         """q: [T, heads, dim], k/v: [T, kv_heads, dim] -> [T, heads * dim]. Rows beyond the slot mapping are
-        padding (see models/llama.py: batch_invariant_rows): neither stored nor attended, returned as zeros."""
+        padding (see models/llama.py: batch_invariant_rows): neither stored nor attended, returned as zeros.
+        kv_written: the new K/V are already in the pool (the fused rotary kernel stores them)."""
         T = meta.slot_mapping.shape[0]
         if q.shape[0] > T:
-            out = self.forward(q[:T], k[:T], v[:T], meta)
+            out = self.forward(q[:T], k[:T], v[:T], meta, kv_written)
             return F.pad(out, (0, 0, 0, q.shape[0] - T))
-        k_flat = self.k_cache.view(self.num_kv_heads, -1, self.head_dim)
-        v_flat = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
-        k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_flat.dtype))
-        v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_flat.dtype))
+        if not kv_written:
+            k_flat = self.k_cache.view(self.num_kv_heads, -1, self.head_dim)
+            v_flat = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
+            k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_flat.dtype))
+            v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_flat.dtype))
 
         if meta.causal_only:
             o = F.scaled_dot_product_attention(

@@ -5,6 +5,9 @@ weights out of cache (`python benchmarks/linear_kernels.py`): a weight pre-packe
 faster than `F.linear` from 4 to 64 rows; for one or two rows, torch's own matrix-vector kernel (oneDNN bypassed)
 reads the weight at ~26 GB/s, twice oneDNN's rate. The layer keeps both forms, so the speed costs a second copy of
 the weights (for this model, 258 MiB more): serving trades memory for latency here, as `--no-pack-weights` undoes.
+The two kernels can round a bf16 result differently in the last bit, so bf16 outputs are not bit-identical across
+batch sizes (fp32, which the batch-invariance tests use, never takes this path: see models/llama.py,
+batch_invariant_rows).
 """
 
 from __future__ import annotations

@@ -28,11 +28,19 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        kernels = cpu_kernels() if x.device.type == "cpu" and not x.requires_grad else None
+        a = self.attn
+        if kernels is not None and qkv.dtype in (torch.float32, torch.bfloat16) and a.k_cache.dtype == qkv.dtype:
+            # Rotary for Q and K and the K/V write into the pool, in one pass (ten ops fewer per layer).
+            q, k = kernels.rotary_kv_write(qkv, cos, sin, a.k_cache, a.v_cache, meta.slot_mapping, self.num_heads,
+                                           self.num_kv_heads)
+            return self.o_proj(a(q, k, v, meta, kv_written=True))
         # Q and K heads lie side by side: rotate them in one pass (per-op overhead dominates at batch 1).
-        qk = apply_rotary(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn(q, k, v.view(T, self.num_kv_heads, self.head_dim), meta)
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        o = a(q, k, v, meta)
         return self.o_proj(o)
 
 
