@@ -5,6 +5,8 @@
 // in fp32 rounded to the dtype before the weight multiplies it (transformers' Llama order), SiLU rounded before
 // the product. Rows are spread over threads only when there are enough of them to pay for the wake-up.
 
+#include "cpu_common.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,18 +16,9 @@
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const at::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-// Round to the storage dtype and back, as a separate torch op's output would be.
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const at::BFloat16*) { return static_cast<float>(static_cast<at::BFloat16>(v)); }
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = static_cast<at::BFloat16>(v); }
+using inferlab::load;
+using inferlab::round_to;
+using inferlab::store;
 
 constexpr int64_t kElemsPerTask = 1 << 15;  // below this many elements, one thread does it all
 

@@ -7,6 +7,8 @@
 //
 // Layout (see layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; q [B, heads, head_dim].
 
+#include "cpu_common.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,17 +19,9 @@
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-inline float load(const at::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = static_cast<at::BFloat16>(v); }
+using inferlab::load;
+using inferlab::round_to;
+using inferlab::store;
 
 // DIM > 0 fixes the head size at compile time (full unrolling into vector registers); 0 reads it at run time.
 template <typename T, int64_t DIM>

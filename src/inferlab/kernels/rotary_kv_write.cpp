@@ -7,6 +7,8 @@
 // qkv [T, (H + 2 * KVH) * D] (Q heads, then K heads, then V heads); cos, sin [T, D] in qkv's dtype; pool
 // [KVH, N, BS, D]; slots [S] int64, S <= T (rows past S are padding: rotated, never stored).
 
+#include "cpu_common.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,17 +17,9 @@
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const at::BFloat16* p, int64_t i) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const at::BFloat16*) { return static_cast<float>(static_cast<at::BFloat16>(v)); }
-inline void store(float* p, int64_t i, float v) { p[i] = v; }
-inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = static_cast<at::BFloat16>(v); }
+using inferlab::load;
+using inferlab::round_to;
+using inferlab::store;
 
 template <typename T>
 void impl(const T* qkv, const T* cos, const T* sin, T* q_out, T* k_out, T* kc, T* vc, const int64_t* slots,
