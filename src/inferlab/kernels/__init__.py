@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger("inferlab.engine")
 
 _SOURCES = [str(Path(__file__).with_name(f))
@@ -37,3 +39,14 @@ def cpu_kernels():
         log.warning("inferlab's CPU attention kernel could not be built (%s: %s); using the torch path",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
+
+
+def kernels_for(*tensors: torch.Tensor):
+    """The kernels if they can take these tensors (CPU, one dtype of fp32/bf16), else None. The first is the
+    activation: it must not need gradients (the kernels have no backward); the rest are weights or caches."""
+    t = tensors[0]
+    if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) or t.requires_grad:
+        return None
+    if any(x.dtype != t.dtype or x.device != t.device for x in tensors):
+        return None
+    return cpu_kernels()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.kernels import cpu_kernels
+from inferlab.kernels import kernels_for
 
 
 @dataclass(slots=True)
@@ -111,8 +111,8 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         """One query per sequence."""
         B = q.shape[0]
-        kernels = cpu_kernels() if q.device.type == "cpu" and g.context_lens is not None else None
-        if kernels is not None and q.dtype == self.k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16):
+        kernels = kernels_for(q, self.k_cache) if g.context_lens is not None else None
+        if kernels is not None:
             return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, g.block_tables, g.context_lens,
                                                   self.scale)
         # The torch path: gather the past, then the query heads sharing a KV head become that head's query rows

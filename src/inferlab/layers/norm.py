@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inferlab.kernels import cpu_kernels
+from inferlab.kernels import kernels_for
 
 
 class RMSNorm(nn.Module):
@@ -16,8 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new_residual). With a residual, adds it first: the pre-norm block's `h = x + r; norm(h)`."""
-        kernels = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 and not x.requires_grad else None
-        if kernels is not None and x.dtype in (torch.float32, torch.bfloat16) and self.weight.dtype == x.dtype:
+        kernels = kernels_for(x, self.weight) if x.dim() == 2 else None
+        if kernels is not None:
             return kernels.add_rms_norm(x, residual, self.weight, self.eps)  # same rounding points, one pass
         if residual is not None:
             x = x + residual

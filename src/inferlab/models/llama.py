@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.kernels import cpu_kernels
+from inferlab.kernels import kernels_for
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
 from inferlab.layers.rotary import RotaryEmbedding, apply_rotary
@@ -30,9 +30,9 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        kernels = cpu_kernels() if x.device.type == "cpu" and not x.requires_grad else None
         a = self.attn
-        if kernels is not None and qkv.dtype in (torch.float32, torch.bfloat16) and a.k_cache.dtype == qkv.dtype:
+        kernels = kernels_for(qkv, a.k_cache, cos)
+        if kernels is not None:
             # Rotary for Q and K and the K/V write into the pool, in one pass (ten ops fewer per layer).
             q, k = kernels.rotary_kv_write(qkv, cos, sin, a.k_cache, a.v_cache, meta.slot_mapping, self.num_heads,
                                            self.num_kv_heads)
@@ -53,8 +53,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        kernels = cpu_kernels() if x.device.type == "cpu" and gate_up.dim() == 2 and not x.requires_grad else None
-        if kernels is not None and gate_up.dtype in (torch.float32, torch.bfloat16):
+        kernels = kernels_for(gate_up) if gate_up.dim() == 2 else None
+        if kernels is not None:
             return self.down_proj(kernels.silu_mul(gate_up))  # one pass, the unfused ops' rounding
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
