@@ -214,7 +214,7 @@ def main() -> None:
             in_flight = value if kind == "concurrency" else value * (args.ttft + args.output_len * args.itl)
             workers = args.inferlab_workers if in_flight >= args.workers_from else 1
             load = [f"--{kind}", str(value), "--workers", str(workers)]
-            tools = [(f"inferlab" + (f" ({workers} workers)" if workers > 1 else ""),
+            tools = [("inferlab" + (f" ({workers} workers)" if workers > 1 else ""),
                       lambda: run_inferlab(url, load, n, args))]
             if args.only_inferlab:
                 tools = tools[:1]

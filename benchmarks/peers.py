@@ -108,7 +108,7 @@ def tree_jiffies(pid: int) -> int:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        ppid, ut, st = int(fields[1]), int(fields[11]), int(fields[12])
+        ut, st = int(fields[11]), int(fields[12])
         if int(p.name) == pid or _descends(int(p.name), pid):
             total += ut + st
     return total

@@ -18,7 +18,7 @@ from torch import nn
 import inferlab
 from inferlab.lab import eval as ev
 from inferlab.lab import eval_cli
-from inferlab.quant import Int8Linear, quantize_model
+from inferlab.quant import quantize_model
 
 V = 128
 

@@ -8,8 +8,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from inferlab.quant import Int4Linear, quantize_weight
+from inferlab.kernels import quant_kernels
+from inferlab.quant import quantize_weight
 from inferlab.quant.gguf_q4 import RawGGUFWeight, q4_1_blocks, q8_0_blocks
+
+needs_quant_kernels = pytest.mark.skipif(quant_kernels() is None,
+                                         reason="inferlab's int4 kernel needs AVX-512 BF16 and a C++ compiler")
 
 
 def _raw(kind: str, n: int = 128, k: int = 256, seed: int = 0) -> RawGGUFWeight:
@@ -21,41 +25,40 @@ def _reference(raw: RawGGUFWeight) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw.data, GGMLQuantizationType[raw.ggml_type]))
 
 
-def _kernel_values_fp32(layer: Int4Linear, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Read the kernel's own dequantized values: multiply the identity, with fp32 scale d and zero m + 8d (the
-    fp32 kernel path is slow but takes fp32 scales, so no rounding is added)."""
-    sz = torch.stack([d.float(), m.float() + 8 * d.float()], dim=-1).transpose(0, 1).contiguous()
-    k = layer.in_features
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k), layer.qweight, 32, sz).T
-
-
 @pytest.mark.parametrize("seed", range(3))
 def test_q4_1_direct_is_exact(seed):
     raw = _raw("Q4_1", seed=seed)
     layer, how = quantize_weight(None, "int4", 32, raw)
-    assert "directly" in how
+    assert "directly" in how and layer.from_q4_1
     ref = _reference(raw)
     assert torch.equal(layer.dequantize(), ref)
-    q, d, m = q4_1_blocks(raw)
-    assert torch.equal(_kernel_values_fp32(layer, d, m), ref)  # the packed nibbles are the file's nibbles
+    # The layer holds the file's own nibble bytes and fp16 (d, m): nothing was unpacked, rounded or repacked.
+    n, k = raw.shape
+    blocks = raw.data.reshape(n, k // 32, 20)
+    assert torch.equal(layer.qweight, torch.from_numpy(blocks[..., 4:].reshape(n, k // 2).copy()))
+    assert torch.equal(layer.d.view(torch.int16), torch.from_numpy(blocks[..., 0:2].copy().view(np.int16)[..., 0]))
+    assert torch.equal(layer.m.view(torch.int16), torch.from_numpy(blocks[..., 2:4].copy().view(np.int16)[..., 0]))
 
 
-def test_q4_1_bf16_kernel_rounding_is_bounded():
-    raw = _raw("Q4_1")
+@needs_quant_kernels
+def test_q4_1_kernel_multiplies_by_the_file_values():
+    """The kernel's weight values, read by multiplying the identity (exact in bf16), are gguf's up to the fp32
+    rounding of the kernel's own sum d * (128 + q) + (m - 128 d) (see kernels/quant_linear.cpp)."""
+    raw = _raw("Q4_1", seed=3)
     layer, _ = quantize_weight(None, "int4", 32, raw)
-    ref = _reference(raw)
-    _, d, m = q4_1_blocks(raw)
-    # The kernel's bf16 scale and zero (m + 8d) round by at most 2^-9 relative each (see Int4Linear.from_q4_1).
-    dense = layer.dense_weight(torch.float32)
-    bound = (d.float().abs() * 8 + (m.float() + 8 * d.float()).abs()).repeat_interleave(32, dim=1) * 2**-8
-    assert ((dense - ref).abs() <= bound).all()
-    assert not torch.equal(dense, ref)  # bf16 does round: the exact copy is what makes dequantize() exact
+    ref = _reference(raw).double()
+    values = layer._kernel_mm(layer.find_kernels(), torch.eye(raw.shape[1])).T.double()
+    d, m = layer.d.double().repeat_interleave(32, dim=1), layer.m.double().repeat_interleave(32, dim=1)
+    assert ((values - ref).abs() <= 2**-22 * (144 * d.abs() + m.abs())).all()
+    x = torch.randn(5, raw.shape[1], dtype=torch.float64).to(torch.bfloat16)
+    y = layer._kernel_mm(layer.find_kernels(), x.float()).double()
+    assert torch.allclose(y, x.double() @ ref.T, rtol=0, atol=1e-5 * (x.double().abs() @ ref.abs().T).max())
 
 
 def test_q4_1_with_another_group_size_requantizes():
     raw = _raw("Q4_1")
     layer, how = quantize_weight(None, "int4", 64, raw)
-    assert "requantized from GGUF Q4_1" in how and layer.group_size == 64 and layer.q4_1_dm is None
+    assert "requantized from GGUF Q4_1" in how and layer.group_size == 64 and not layer.from_q4_1
     assert (layer.dequantize() - _reference(raw)).abs().max() < 0.05
 
 

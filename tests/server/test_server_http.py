@@ -292,7 +292,8 @@ def test_metrics_use_vllm_names_and_labels(fake_server):
     assert metric(m, "vllm:request_queue_time_seconds_count", **labels) == 1
     for name in ["vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total", "inferlab:kv_cache_bytes", "inferlab:weight_bytes"]:
+                 "vllm:spec_decode_num_accepted_tokens_total", "inferlab:kv_cache_bytes", "inferlab:weight_bytes",
+                 "inferlab:packed_weight_bytes"]:
         assert metric(m, name, **labels) == 0, name
     assert metric(m, "inferlab:peak_rss_bytes") > 0
     assert "_created" not in m

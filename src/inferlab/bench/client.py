@@ -96,7 +96,7 @@ async def preflight(session: aiohttp.ClientSession, target: Target) -> dict:
         raise BenchError(f"GET {url} did not return an OpenAI model list: {body[:200]!r}") from None
     if not target.model:
         if not ids:
-            raise BenchError(f"the server lists no models on /v1/models; name one with --model")
+            raise BenchError("the server lists no models on /v1/models; name one with --model")
         target.model = ids[0]
     return models
 

@@ -78,7 +78,6 @@ class LLM:
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token_i | tokens_<i) for i >= 1, computed with the engine's own model through a scratch forward
         pass (for perplexity). The sequence must fit the model's context."""
-        from inferlab.engine.model_runner import StepInputs
         from inferlab.layers.attention import AttentionMetadata
 
         eng = self.engine

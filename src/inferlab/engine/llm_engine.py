@@ -16,7 +16,7 @@ from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
-from inferlab.engine.sequence import Sequence, SequenceStatus
+from inferlab.engine.sequence import Sequence
 from inferlab.models.loader import load_model, load_tokenizer
 from inferlab.spec import make_proposer
 
@@ -96,7 +96,7 @@ class LLMEngine:
         self.proposer = make_proposer(config, self)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
-        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed for oneDNN), KV pool %d blocks x "
+        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16 for oneDNN), KV pool %d blocks x "
                  "%d tokens = %.1f MiB; quantization: %s", self.model_path.name, self.device, self.dtype,
                  loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20, num_blocks,
                  bs, self.runner.kv_cache_bytes / 2**20, self.quant_path)
@@ -255,6 +255,7 @@ class LLMEngine:
         c.num_free_kv_blocks = bm.num_free_blocks
         c.kv_cache_bytes = self.runner.kv_cache_bytes
         c.weight_bytes = self.weight_bytes
+        c.packed_weight_bytes = self.runner.packed_weight_bytes
         c.num_preemptions_total = self.scheduler.num_preemptions
         c.prefix_cache_queries_total = bm.prefix_queries
         c.prefix_cache_hits_total = bm.prefix_hits

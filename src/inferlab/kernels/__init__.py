@@ -17,7 +17,8 @@ import torch
 log = logging.getLogger("inferlab.engine")
 
 _SOURCES = [str(Path(__file__).with_name(f))
-            for f in ("paged_decode_attention.cpp", "fused_elementwise.cpp", "rotary_kv_write.cpp")]
+            for f in ("bindings.cpp", "paged_decode_attention.cpp", "fused_elementwise.cpp", "rotary_kv_write.cpp",
+                      "quant_linear.cpp")]
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (it joins torch's own libgomp, same
 # soname). -fassociative-math and friends let the compiler vectorise the fp32 dot products and sums (a fixed
 # order per build: results stay deterministic); no -ffast-math, so exp and infinities keep their IEEE meaning.
@@ -36,7 +37,7 @@ def cpu_kernels():
         return load(name="inferlab_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a missing compiler or header shows up as one of several exception types
-        log.warning("inferlab's CPU attention kernel could not be built (%s: %s); using the torch path",
+        log.warning("inferlab's CPU kernels could not be built (%s: %s); using the torch path",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
 
@@ -50,3 +51,10 @@ def kernels_for(*tensors: torch.Tensor):
     if any(x.dtype != t.dtype or x.device != t.device for x in tensors):
         return None
     return cpu_kernels()
+
+
+def quant_kernels():
+    """The kernels if their int8/int4 linear layers were built vectorised (AVX-512 with BF16), else None: the scalar
+    build computes the same values but slower than dequantizing for torch's matmul."""
+    k = cpu_kernels()
+    return k if k is not None and k.quant_simd() else None

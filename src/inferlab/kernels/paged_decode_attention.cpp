@@ -139,17 +139,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   }
   return out;
 }
-
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                      torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-std::tuple<torch::Tensor, torch::Tensor> rotary_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                                         torch::Tensor k_cache, torch::Tensor v_cache,
-                                                         torch::Tensor slots, int64_t H, int64_t KVH);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
-  m.def("rotary_kv_write", &rotary_kv_write, "rotary Q/K + K/V write into the paged pool (CPU)");
-}

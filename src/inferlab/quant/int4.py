@@ -1,43 +1,45 @@
-"""int4 weight-only quantization: asymmetric, one (scale, zero) pair per group of `group_size` input columns.
+"""int4 weight-only quantization: asymmetric, one fp16 (scale d, minimum m) pair per group of `group_size` input
+columns: GGUF's Q4_1, generalised to any even group size.
 
-The representation is torch's int4 CPU kernel's (`aten._weight_int4pack_mm_for_cpu`, tinygemm's convention):
+    w[n, k] ~= d[n, g] * q[n, k] + m[n, g],   q in [0, 15], g = k // group_size
 
-    w[n, k] ~= (q[n, k] - 8) * scale[g, n] + zero[g, n],   q in [0, 15], g = k // group_size
+Packing: row n's bytes [g * G/2, (g + 1) * G/2) hold group g; byte j holds the group's element j in its low nibble
+and element G/2 + j in its high nibble. For G = 32 that is Q4_1's own block layout, so a Q4_1 weight keeps the
+file's nibble bytes and its fp16 (d, m) as they are: the layer multiplies by exactly llama.cpp's values.
 
-Packing (checked against `aten._convert_weight_to_int4pack_for_cpu` in the tests): rows are taken in blocks of 64;
-within a block the bytes are laid out [k, 32] and byte j holds row j in its low nibble and row j + 32 in its high
-nibble. Output rows are padded to a multiple of 64 with zero rows; the kernel's extra outputs are sliced off.
-
-Scales and zeros are bf16 (the kernel reads them in the activation dtype). Weights that come from a GGUF Q4_1
-file also keep the file's own fp16 (d, m) so that `dequantize` reproduces llama.cpp's values exactly; see
-`Int4Linear.from_q4_1`.
+inferlab's CPU kernel (kernels/quant_linear.cpp) reads this layout directly; it needs K % 64 == 0 and G = 32 or a
+multiple of 64. Other shapes, other devices, and a machine where the kernels cannot be built dequantize and use
+the dense matmul.
 """
 
 from __future__ import annotations
 
 import torch
 
-from inferlab.quant.linear import KERNEL_DTYPE, QuantLinear
+from inferlab.quant.linear import QuantLinear
 
-BLOCK_N = 64  # rows per packing block of the CPU kernel
+FP16_MAX = 65504.0
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [out, in] -> (q uint8 [out, in] in 0..15, scale bf16 [out, in/group], zero bf16 [out, in/group]).
+    """w [out, in] -> (q uint8 [out, in] in 0..15, d fp16 [out, in/group], m fp16 [out, in/group]).
 
-    Min/max per group: scale = (max - min) / 15, zero = min + 8 * scale, both rounded to bf16 before q is
-    computed against them. Error bound per element: scale / 2 from rounding, plus the bf16 rounding of zero
-    (2^-9 |zero|) and of scale where the group's extreme values are clamped (15 * 2^-9 * scale).
+    Min/max per group: d = (max - min) / 15 and m = min, both rounded to fp16 before q is computed against them.
+    Error bound per element: d / 2 from rounding, plus fp16's rounding of m (2^-11 |m|) and, where d was rounded
+    down and the group's largest value clamps at 15, 15 * 2^-11 * d.
     """
     check_int4_shape(tuple(w.shape), group_size)
     n, k = w.shape
     wg = w.float().reshape(n, k // group_size, group_size)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-    # A constant group gets a tiny positive scale: q lands on 8 and the value on zero (= the constant).
-    scale = ((hi - lo) / 15).clamp_min(1e-20).to(KERNEL_DTYPE)
-    zero = (lo + 8 * scale.float()).to(KERNEL_DTYPE)
-    q = torch.round((wg - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp_(0, 15)
-    return q.to(torch.uint8).reshape(n, k), scale, zero
+    if max(hi.abs().max().item(), lo.abs().max().item()) > FP16_MAX:
+        raise ValueError(f"int4 quantization keeps its scales in fp16: weights must lie within +-{FP16_MAX:g}")
+    d = ((hi - lo) / 15).to(torch.float16)
+    m = lo.to(torch.float16)
+    df = d.float()[..., None]
+    # A constant group (d == 0 after rounding) stores q = 0: its value is m.
+    q = torch.where(df > 0, torch.round((wg - m.float()[..., None]) / df.clamp_min(1e-30)), 0).clamp_(0, 15)
+    return q.to(torch.uint8).reshape(n, k), d, m
 
 
 def check_int4_shape(shape: tuple[int, ...], group_size: int) -> None:
@@ -48,113 +50,70 @@ def check_int4_shape(shape: tuple[int, ...], group_size: int) -> None:
                          f"(for this model try 32 or 64)")
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q uint8 [N, K] (N a multiple of 64, values 0..15) -> the CPU kernel's packed uint8 [N, K // 2]."""
+def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q uint8 [N, K] (values 0..15) -> uint8 [N, K / 2] in the group layout above."""
     n, k = q.shape
-    blocks = q.reshape(n // BLOCK_N, 2, BLOCK_N // 2, k).transpose(2, 3)  # [nb, half, k, 32]
-    return (blocks[:, 0] | (blocks[:, 1] << 4)).reshape(n, k // 2)
+    g = q.reshape(n, k // group_size, 2, group_size // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
 
 
-def unpack_int4(packed: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of `pack_int4`: uint8 [N, K] (or [len(rows), K] for the given row indices)."""
-    blocks = packed.reshape(-1, k, BLOCK_N // 2)  # [nb, k, 32]
-    if rows is None:
-        nib = torch.stack([blocks & 0xF, blocks >> 4], dim=1)  # [nb, half, k, 32]
-        return nib.transpose(2, 3).reshape(-1, k)
-    b, j = rows // BLOCK_N, rows % BLOCK_N
-    byte = blocks[b, :, j % (BLOCK_N // 2)]  # [len(rows), k]
-    return (byte >> (4 * (j >= BLOCK_N // 2)).to(torch.uint8)[:, None]) & 0xF
+def unpack_int4(packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of `pack_int4`: uint8 [N, K / 2] -> uint8 [N, K]."""
+    n, half = packed.shape
+    b = packed.reshape(n, half * 2 // group_size, 1, group_size // 2)
+    return torch.cat([b & 0xF, b >> 4], dim=2).reshape(n, half * 2)
 
 
 class Int4Linear(QuantLinear):
     scheme = "int4"
-    # Measured with benchmarks/quantization.py kernels: the int4 kernel beats bf16 up to ~8 tokens (1.5-2x at 1
-    # token) and beats dequantize + bf16 matmul up to ~64-96 (dequantizing costs ~6 passes over the weight).
-    max_kernel_tokens = 96
+    # From `python benchmarks/quantization.py kernels`: see docs/benchmarks.md (quantization).
+    max_kernel_tokens = 48
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, in_features: int, out_features: int,
-                 group_size: int, q4_1_dm: torch.Tensor | None = None):
-        super().__init__(in_features, out_features)
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                 from_q4_1: bool = False):
+        super().__init__(qweight.shape[1] * 2, qweight.shape[0])
         self.group_size = group_size
-        self.register_buffer("qweight", packed)  # uint8 [N_pad, K/2], kernel layout
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # bf16 [K/group, N_pad, 2]
-        # GGUF Q4_1 source only: the file's fp16 (d, m) [N, K/32, 2] (value = d * q + m), stored as their int16
-        # bit patterns so that a later `model.to(dtype)` cannot round them.
-        self.register_buffer("q4_1_dm", q4_1_dm)
+        self.from_q4_1 = from_q4_1
+        self.register_buffer("qweight", qweight)  # uint8 [N, K/2]
+        # fp16 [N, K/group] d and m, stored as their int16 bit patterns so that a later `model.to(dtype)` cannot
+        # round them: they are the exact representation (`d`, `m` view them as fp16).
+        self.register_buffer("scales", scales.to(torch.float16).view(torch.int16))
+        self.register_buffer("mins", mins.to(torch.float16).view(torch.int16))
+
+    @property
+    def d(self) -> torch.Tensor:
+        return self.scales.view(torch.float16)
+
+    @property
+    def m(self) -> torch.Tensor:
+        return self.mins.view(torch.float16)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group_size: int) -> "Int4Linear":
-        q, scale, zero = quantize_int4(w, group_size)
-        return cls._build(q, scale, zero, group_size)
+        q, d, m = quantize_int4(w, group_size)
+        return cls(pack_int4(q, group_size), d, m, group_size)
 
     @classmethod
-    def from_q4_1(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "Int4Linear":
-        """A GGUF Q4_1 weight without requantization: q uint8 [N, K] in 0..15, d and m fp16 [N, K/32].
+    def from_q4_1(cls, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "Int4Linear":
+        """A GGUF Q4_1 weight as the file stores it: nibble bytes uint8 [N, K/2] (block after block), d and m fp16
+        [N, K/32]. Nothing is converted: the bytes are the layout of group size 32."""
+        return cls(packed.contiguous(), d, m, 32, from_q4_1=True)
 
-        Q4_1 is d * q + m = (q - 8) * d + (m + 8 d), so the kernel gets scale = d and zero = m + 8 d. Rounding
-        happens only there: d and m + 8 d (formed in fp32) are rounded to bf16 for the kernel, so the kernel's
-        products differ from llama.cpp's by at most 2^-9 relative in scale and zero. `dequantize` uses the kept
-        fp16 (d, m) and equals gguf's reference dequantizer bit for bit.
-        """
-        zero = (m.float() + 8 * d.float()).to(KERNEL_DTYPE)
-        layer = cls._build(q, d.to(KERNEL_DTYPE), zero, 32)
-        layer.q4_1_dm = torch.stack([d, m], dim=-1).to(torch.float16).view(torch.int16)
-        return layer
-
-    @classmethod
-    def _build(cls, q, scale, zero, group_size) -> "Int4Linear":
-        n, k = q.shape
-        pad = -n % BLOCK_N
-        if pad:
-            q = torch.cat([q, q.new_full((pad, k), 8)])
-            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/group, N_pad, 2]
-        return cls(pack_int4(q), sz, k, n, group_size)
+    def find_kernels(self):
+        k, g = self.in_features, self.group_size
+        return super().find_kernels() if k % 64 == 0 and (g == 32 or g % 64 == 0) else None
 
     def dequantize_rows(self, rows: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        k, n = self.in_features, self.out_features
-        q = unpack_int4(self.qweight, k, rows)
-        if rows is None:
-            q = q[:n]
-        if self.q4_1_dm is not None:
-            dm = self.q4_1_dm if rows is None else self.q4_1_dm[rows]
-            d, m = dm.view(torch.float16).float().unbind(-1)
-            qg = q.reshape(q.shape[0], k // 32, 32).float()
-            # The same operations, order and precision as gguf.quants' Q4_1 reference: fp32 d * q + m.
-            return (d[..., None] * qg + m[..., None]).reshape(q.shape[0], k).to(dtype)
-        return self._apply_scales(q, self.scales_and_zeros[:, rows if rows is not None else slice(0, n)], dtype)
-
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """[out, in], a transposed view of a contiguous [in, out]: built in the packed layout's own order (blocks
-        of 64 rows, k-major), so the nibbles are never transposed one by one and the arithmetic runs in place.
-        Uses the kernel's bf16 (scale, zero) even for Q4_1 weights, so large and small steps agree."""
-        k, g, half = self.in_features, self.group_size, BLOCK_N // 2
-        nb = self.qweight.shape[0] // BLOCK_N
-        p = self.qweight.view(nb, k, half)
-        cdtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-        # Contiguous scale and zero: broadcasting a strided operand over the weight is ~10x slower (measured).
-        sz = self.scales_and_zeros.to(cdtype).view(k // g, nb, 1, BLOCK_N, 2).transpose(0, 1)  # [nb, K/g, 1, 64, 2]
-        scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()
-        w = torch.cat([p & 0xF, p >> 4], dim=2).view(nb, k // g, g, BLOCK_N).to(cdtype)  # [nb, K/g, g, 64]
-        w.sub_(8).mul_(scale).add_(zero)
-        wt = w.view(nb, k, BLOCK_N).transpose(0, 1).reshape(k, nb * BLOCK_N)  # [in, out_pad]
-        return wt[:, : self.out_features].t().to(dtype)
-
-    def _apply_scales(self, q: torch.Tensor, sz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # In bf16 when the model is bf16: one rounding per operation and no fp32 temporary of the whole weight.
-        cdtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-        scale, zero = sz.to(cdtype).transpose(0, 1).unbind(-1)  # [rows, K/group]
+        p, d, m = (self.qweight, self.d, self.m) if rows is None else (self.qweight[rows], self.d[rows], self.m[rows])
         g = self.group_size
-        qg = q.reshape(q.shape[0], self.in_features // g, g).to(cdtype)
-        return ((qg - 8) * scale[..., None] + zero[..., None]).reshape(q.shape[0], self.in_features).to(dtype)
+        q = unpack_int4(p, g).reshape(p.shape[0], -1, g).float()
+        # fp32 d * q + m: the operations, order and precision of gguf.quants' Q4_1 reference dequantizer.
+        return (d.float()[..., None] * q + m.float()[..., None]).reshape(p.shape[0], self.in_features).to(dtype)
 
-    def _kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
-        # .to() is a no-op unless someone cast the model after quantizing (bf16 -> fp32 -> bf16 is exact).
-        sz = self.scales_and_zeros.to(KERNEL_DTYPE)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group_size, sz)
-        return y if y.shape[1] == self.out_features else y[:, : self.out_features]
+    def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
+        # The kernel reads the int16 buffers as the fp16 bit patterns they are.
+        return kernels.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size)
 
     def extra_repr(self) -> str:
-        src = ", from GGUF Q4_1" if self.q4_1_dm is not None else ""
+        src = ", from GGUF Q4_1" if self.from_q4_1 else ""
         return f"{super().extra_repr()}, group_size={self.group_size}{src}"

@@ -1,15 +1,16 @@
 """int8 weight-only quantization: symmetric, one scale per output channel (row).
 
-w[n, k] ~= q[n, k] * scale[n], q in [-127, 127]. The scale is stored in bf16 because torch's CPU kernel
-(`aten._weight_int8pack_mm`) wants scales in the activation dtype; q is computed against the already-rounded
-scale, so the stored pair is the exact representation and `dequantize` reproduces what the kernel multiplies by.
+w[n, k] ~= q[n, k] * scale[n], q in [-127, 127]. The scale is stored in bf16 (the dtype torch's own int8 CPU kernel
+takes, which stays the path where inferlab's kernels cannot be built); q is computed against the already-rounded
+scale, so the stored pair is the exact representation and `dequantize` reproduces what the kernels multiply by.
 """
 
 from __future__ import annotations
 
 import torch
 
-from inferlab.quant.linear import KERNEL_DTYPE, QuantLinear
+from inferlab.kernels import quant_kernels
+from inferlab.quant.linear import QuantLinear
 
 QMAX = 127  # symmetric range: -128 is left unused so that q and -q are both representable
 
@@ -24,15 +25,14 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"int8 quantization needs a 2-D weight [out, in], got shape {tuple(w.shape)}")
     w = w.float()
     absmax = w.abs().amax(dim=1)
-    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax)).to(KERNEL_DTYPE)
+    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax)).to(torch.bfloat16)
     q = torch.round(w / scale.float()[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
 class Int8Linear(QuantLinear):
     scheme = "int8"
-    # Measured with benchmarks/quantization.py kernels: _weight_int8pack_mm beats bf16 up to ~8 tokens (2-2.5x at
-    # 1 token) and beats dequantize + bf16 matmul up to ~16; from 32 tokens the dequantized path wins.
+    # From `python benchmarks/quantization.py kernels`: see docs/benchmarks.md (quantization).
     max_kernel_tokens = 16
     # Large steps may instead quantize the activations too (per token, symmetric int8) and use torch._int_mm:
     # 1.4-2x faster than bf16 from 32 tokens on, but W8A8 rather than weight-only: measured on SmolLM2-135M it
@@ -62,6 +62,20 @@ class Int8Linear(QuantLinear):
         y = torch._int_mm(xq, self.qweight.t()).float()
         return y.mul_(a).mul_(self.scales.float()).to(x.dtype)
 
-    def _kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
-        # .to() is a no-op unless someone cast the model after quantizing (bf16 -> fp32 -> bf16 is exact).
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales.to(KERNEL_DTYPE))
+    def find_kernels(self):
+        # Where inferlab's kernels are built without AVX-512 BF16, torch's own int8 kernel still beats dequantizing
+        # for one token: the module's stand-in below calls it.
+        if self.device.type != "cpu":
+            return None
+        return quant_kernels() or _TorchInt8Kernel
+
+    def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
+        return kernels.int8_linear(x, self.qweight, self.scales)
+
+
+class _TorchInt8Kernel:
+    @staticmethod
+    def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        # torch's kernel takes bf16 activations and scales (its fp32 path is scalar and 20-60x slower, measured).
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales.to(torch.bfloat16))
+        return y.to(x.dtype)

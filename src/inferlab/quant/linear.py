@@ -1,12 +1,18 @@
 """The shared shape of a weight-quantized linear layer: a fast kernel for small steps, dequantize + dense matmul
 for large ones.
 
-Measured on the project's 2-core AVX-512 BF16 EPYC with torch 2.13 (`python benchmarks/quantization.py kernels`):
-torch's int8/int4 weight-only CPU kernels are 2-4x faster than a bf16 matmul for one token (they read 2-4x fewer
-weight bytes), but they stop scaling at a few tokens while bf16 keeps going, so from about 16 tokens a step
-the bf16 matmul wins. Past `max_kernel_tokens` we therefore dequantize the weight into a temporary dense copy and
-use the dense matmul: the dequantization is a fixed cost (~0.2-0.5 ms for a 576x3072 layer) that a large step
-amortises, and no second copy of the weights is kept, so the memory saving stays whole.
+The kernels are inferlab's own (kernels/quant_linear.cpp): they stream the quantized weight once per step and
+dequantize in registers, so a decode token reads 2-3x fewer bytes than bf16 and runs 2-3x faster. Their work grows
+with the tokens in the step, while oneDNN's bf16 GEMM barely slows down until it turns compute-bound, so from a few
+tokens on the dense matmul wins (`python benchmarks/quantization.py kernels`, in docs/benchmarks.md). The dense
+path has two forms:
+  - packed (the CPU default with bf16 activations, like PackedLinear for float layers): a oneDNN-packed bf16 copy
+    of the dequantized weight, made once by `pack_dense`. The fastest for large steps; it costs a bf16 copy of the
+    weights in memory, which the engine reports beside the quantized bytes. Kernel up to PACKED_MAX_KERNEL_TOKENS.
+  - dequantize per step (`--no-pack-weights`, fp32 models, other devices): no second copy, so the memory saving
+    stays whole; the dequantization is a fixed cost that only a larger step amortises, hence the larger
+    per-scheme `max_kernel_tokens`.
+Both forms multiply by the dequantized values, so every path computes with the same weights.
 """
 
 from __future__ import annotations
@@ -15,37 +21,78 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Both CPU kernels take bf16 activations; their fp32 paths are scalar and 20-60x slower (measured), so an fp32
-# model's activations are rounded to bf16 for the kernel and the result is cast back.
-KERNEL_DTYPE = torch.bfloat16
+# With a packed bf16 copy the kernel wins up to 4 tokens on every SmolLM2-135M shape, the LM head included, and
+# loses on most from 8 (measured; docs/benchmarks.md).
+PACKED_MAX_KERNEL_TOKENS = 4
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_UNSET = object()
 
 
 class QuantLinear(nn.Module):
-    """Stands in for `nn.Linear(in_features, out_features, bias=False)`: forward(x [..., in]) -> [..., out] in x's dtype.
+    """Stands in for `nn.Linear(in_features, out_features, bias=False)`: forward(x [..., in]) -> [..., out] in x's
+    dtype.
 
     Subclasses store the quantized weight as buffers (so `.to(device)` moves it and `state_dict()` saves it) and
-    implement `dequantize_rows` and, where a CPU kernel exists, `_kernel_mm`.
+    implement `dequantize_rows` and `_kernel_mm`.
     """
 
     scheme = ""
-    # Steps with more tokens than this dequantize and run the dense matmul (see the module docstring).
+    # Without a packed copy, steps with more tokens than this dequantize and run the dense matmul.
     max_kernel_tokens = 0
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        # An opaque oneDNN tensor (see pack_dense): a plain attribute, so .to() and state_dict() skip it.
+        self.packed: torch.Tensor | None = None
+        self._kernels = _UNSET  # find_kernels(), looked up on first use and again after every device move
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._kernels = _UNSET
+        if self.packed is not None and self.device.type != "cpu":
+            self.packed = None  # a CPU (oneDNN) copy is no use elsewhere
+        return self
+
+    def kernel_token_limit(self) -> int:
+        return PACKED_MAX_KERNEL_TOKENS if self.packed is not None else self.max_kernel_tokens
+
+    def pack_dense(self) -> int:
+        """Keep a oneDNN-packed bf16 copy of the dequantized weight for large steps; returns its bytes (0 where
+        packing does not apply)."""
+        from inferlab.layers.packed_linear import packing_available
+
+        if not packing_available(self.device, torch.bfloat16):
+            return 0
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dequantize(torch.bfloat16), 64)
+        return self.packed.numel() * self.packed.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Called ~120 times per decode step: the checks are kept to attribute reads (measured: a generator over
+        # buffers() here cost ~5% of a batch-1 step).
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= self.max_kernel_tokens and self.kernel_available():
-            y = self._kernel_mm(x2.to(KERNEL_DTYPE)).to(x.dtype)
+        kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
+        if (kernels is not None and x2.shape[0] <= self.kernel_token_limit() and x.dtype in KERNEL_DTYPES
+                and not x.requires_grad):
+            y = self._kernel_mm(kernels, x2)
         else:
             y = self.dense_mm(x2)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def find_kernels(self):
+        """The module with this layer's CPU kernel, or None (other devices, or where the kernels cannot be built):
+        then the layer dequantizes (correct, not fast)."""
+        from inferlab.kernels import quant_kernels
+
+        return quant_kernels() if self.device.type == "cpu" else None
+
+    def _lookup_kernels(self):
+        self._kernels = self.find_kernels()
+        return self._kernels
+
     def kernel_available(self) -> bool:
-        """The fused kernels are torch's CPU ones; on other devices the layer dequantizes (correct, not fast)."""
-        return self.device.type == "cpu"
+        return (self._kernels if self._kernels is not _UNSET else self._lookup_kernels()) is not None
 
     @property
     def device(self) -> torch.device:
@@ -57,17 +104,16 @@ class QuantLinear(nn.Module):
 
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         """The large-step path: x [T, in] -> [T, out]."""
-        return F.linear(x, self.dense_weight(x.dtype))
-
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight the kernel multiplies by, built fast for the large-step path (default: `dequantize`)."""
-        return self.dequantize(dtype)
+        if self.packed is not None and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.dequantize(x.dtype))
 
     def dequantize_rows(self, rows: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `rows` (all when None) of the dequantized weight: [len(rows), in]. Embedding lookups use this."""
         raise NotImplementedError
 
-    def _kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] (fp32 or bf16, on the CPU) -> [T, out] in x's dtype, with `kernels` from find_kernels."""
         raise NotImplementedError
 
     def weight_bytes(self) -> int:

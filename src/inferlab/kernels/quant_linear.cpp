@@ -1,0 +1,371 @@
+// Weight-only int8 and int4 linear layers for small steps on the CPU (decode: one to a few dozen tokens).
+//
+// Why our own: torch 2.13's CPU kernels for quantized weights (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
+// read the weight at ~9 GB/s for one token while torch's bf16 gemv reads at ~20-26 GB/s, so 2-4x fewer bytes bought
+// only 1.1-1.2x. These kernels stream the quantized weight once per step and dequantize in registers:
+//
+//   int8: w = q * scale[n], one scale per output row. q widens to fp32 in registers and meets the activations in
+//         fp32 FMAs: the products of dequantize-then-matmul, summed in fp32.
+//   int4: w = d[n, g] * q + m[n, g], q in 0..15, one fp16 (d, m) pair per group of G input columns: GGUF's Q4_1,
+//         nibble order included (byte j of a group holds element j in its low nibble and element G/2 + j in its
+//         high one), so Q4_1 files load without repacking. A nibble becomes the bf16 number 128 + q by OR-ing
+//         0x4300 into its 16-bit lane (exact: 128..143 need four mantissa bits) and AVX512-BF16's vdpbf16ps
+//         multiplies pairs of them with the bf16 activations, accumulating in fp32; the offset leaves through the
+//         group's activation sum: sum_k w_k x_k = d * dot(128 + q, x) + (m - 128 d) * sum_k x_k.
+//
+// A tile of NB output rows x MB tokens shares every weight load, so one pass over the weight serves the whole step.
+// Row tiles are split over the threads. Without AVX-512 (BW, BF16) at build time the scalar loops below compute
+// the same sums slowly; `quant_simd()` tells Python which one it got, so it can prefer another path.
+
+#include "cpu_common.h"
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define INFERLAB_QUANT_SIMD 1
+#else
+#define INFERLAB_QUANT_SIMD 0
+#endif
+
+namespace {
+
+using inferlab::load;
+using inferlab::store;
+
+constexpr int64_t kTileRows = 4;  // NB: output rows per tile
+
+// Each tile first asks for its own weights and the next kPrefetchBytes: the loop body spends a dozen instructions
+// per cache line converting and multiplying, which fills the out-of-order window before many loads are in flight,
+// so without this one core streamed ~7.5 GB/s; with it ~18 GB/s, ~25 GB/s on two cores (SmolLM2-135M's layers,
+// int8, one token). The distance barely matters from 0 to 8 KiB (measured); the early request is what counts.
+constexpr int64_t kPrefetchBytes = 1024;
+
+inline void prefetch_tile(const void* tile, int64_t tile_bytes, const void* end) {
+  const char* p = static_cast<const char*>(tile);
+  const int64_t n = std::min<int64_t>(tile_bytes + kPrefetchBytes, static_cast<const char*>(end) - p);
+  for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+inline float fp16_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// The activations [M, K] in fp32, for the int8 kernel.
+template <typename T>
+std::vector<float> widen(const T* x, int64_t M, int64_t K) {
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = load(x, i);
+  return xf;
+}
+
+inline uint16_t bf16_bits(float v) {
+  const at::BFloat16 b(v);  // round to nearest even, like a torch .to(bfloat16)
+  return b.x;
+}
+
+// ---------------------------------------------------------------------------------------------------------- int8
+
+#if INFERLAB_QUANT_SIMD
+template <int MB, int NB>
+inline void int8_tile(const float* x, int64_t K, const int8_t* w, float* out /*[MB][NB]*/) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[NB];
+    for (int n = 0; n < NB; ++n)
+      wv[n] = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k))));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(wv[n], xv, acc[m][n]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[NB];
+    for (int n = 0; n < NB; ++n)
+      wv[n] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + n * K + k)));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_fmadd_ps(wv[n], xv, acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) out[m * NB + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+#endif
+
+template <int MB, int NB>
+void int8_tile_any(const float* x, int64_t K, const int8_t* w, float* out) {
+#if INFERLAB_QUANT_SIMD
+  int8_tile<MB, NB>(x, K, w, out);
+#else
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[m * K + k] * static_cast<float>(w[n * K + k]);
+      out[m * NB + n] = s;
+    }
+#endif
+}
+
+// y[m, n0 + n] for a tile: tokens in blocks of up to 4 (the weight rows stay in L1 between blocks).
+template <int NB, typename T, typename S>
+void int8_rows(const float* xf, int64_t M, int64_t K, const int8_t* w, const S* scale, T* y, int64_t N, int64_t n0) {
+  float out[4 * NB];
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    const float* xm = xf + m0 * K;
+    switch (mb) {
+      case 1: int8_tile_any<1, NB>(xm, K, w, out); break;
+      case 2: int8_tile_any<2, NB>(xm, K, w, out); break;
+      case 3: int8_tile_any<3, NB>(xm, K, w, out); break;
+      default: int8_tile_any<4, NB>(xm, K, w, out); break;
+    }
+    for (int64_t m = 0; m < mb; ++m)
+      for (int n = 0; n < NB; ++n) store(y, (m0 + m) * N + n0 + n, out[m * NB + n] * load(scale, n0 + n));
+  }
+}
+
+template <typename T, typename S>
+void int8_linear_impl(const T* x, const int8_t* w, const S* scale, T* y, int64_t M, int64_t K, int64_t N) {
+  const std::vector<float> xf = widen(x, M, K);
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileRows;
+      prefetch_tile(w + n0 * K, kTileRows * K, w + N * K);
+      if (n0 + kTileRows <= N) {
+        int8_rows<kTileRows>(xf.data(), M, K, w + n0 * K, scale, y, N, n0);
+      } else {
+        for (int64_t n = n0; n < N; ++n) int8_rows<1>(xf.data(), M, K, w + n * K, scale, y, N, n);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------- int4
+
+// Element index of the low / high nibble of byte b of a row, for groups of G columns.
+inline int64_t lo_elem(int64_t b, int64_t G) { return b / (G / 2) * G + b % (G / 2); }
+inline int64_t hi_elem(int64_t b, int64_t G) { return lo_elem(b, G) + G / 2; }
+
+// Activations for the int4 kernel: per token, K bf16 values in chunks of 64 (32 for the low nibbles of 32 weight
+// bytes, then 32 for their high nibbles) and the fp32 sum of each group's (bf16) values.
+template <typename T>
+void prepare_int4_activations(const T* x, int64_t M, int64_t K, int64_t G, uint16_t* xp, float* xsum) {
+  const int64_t groups = K / G;
+  std::vector<uint16_t> xb(K);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) xb[k] = bf16_bits(load(x, m * K + k));
+    uint16_t* row = xp + m * K;
+    for (int64_t c = 0; c < K / 64; ++c) {
+      if (G == 32) {  // 32 bytes = two groups: low nibbles are elements 0-15 of each, high ones 16-31
+        std::memcpy(row + 64 * c, xb.data() + 64 * c, 16 * sizeof(uint16_t));
+        std::memcpy(row + 64 * c + 16, xb.data() + 64 * c + 32, 16 * sizeof(uint16_t));
+        std::memcpy(row + 64 * c + 32, xb.data() + 64 * c + 16, 16 * sizeof(uint16_t));
+        std::memcpy(row + 64 * c + 48, xb.data() + 64 * c + 48, 16 * sizeof(uint16_t));
+      } else {  // 32 bytes inside one group
+        const int64_t lo = lo_elem(32 * c, G);
+        std::memcpy(row + 64 * c, xb.data() + lo, 32 * sizeof(uint16_t));
+        std::memcpy(row + 64 * c + 32, xb.data() + lo + G / 2, 32 * sizeof(uint16_t));
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k)
+        s += static_cast<float>(c10::BFloat16(xb[k], c10::BFloat16::from_bits()));
+      xsum[m * groups + g] = s;
+    }
+  }
+}
+
+#if INFERLAB_QUANT_SIMD
+template <int MB, int NB>
+inline void int4_tile(const uint16_t* xp, int64_t K, int64_t G, const uint8_t* w, const uint16_t* d,
+                      float* out /*[MB][NB]*/) {
+  const int64_t ldw = K / 2, ldd = K / G;
+  const __m512i low4 = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
+  const __m512i two_groups = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / 64; ++c) {
+    __m512i lo[NB], hi[NB];
+    __m512 dv[NB];
+    for (int n = 0; n < NB; ++n) {
+      const __m512i v =
+          _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * ldw + 32 * c)));
+      lo[n] = _mm512_or_si512(_mm512_and_si512(v, low4), bias);
+      hi[n] = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+      if (G == 32) {  // 32 bytes = two groups: fp32 lanes 0-7 belong to the first, 8-15 to the second
+        int32_t pair;
+        std::memcpy(&pair, d + n * ldd + 2 * c, sizeof pair);
+        dv[n] = _mm512_permutexvar_ps(two_groups, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))));
+      } else {
+        dv[n] = _mm512_set1_ps(_cvtsh_ss(d[n * ldd + 32 * c / (G / 2)]));
+      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xlo = (__m512bh)_mm512_loadu_si512(xp + m * K + 64 * c);
+      const __m512bh xhi = (__m512bh)_mm512_loadu_si512(xp + m * K + 64 * c + 32);
+      for (int n = 0; n < NB; ++n) {
+        __m512 dp = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo[n], xlo);
+        dp = _mm512_dpbf16_ps(dp, (__m512bh)hi[n], xhi);
+        acc[m][n] = _mm512_fmadd_ps(dp, dv[n], acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) out[m * NB + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+#endif
+
+// sum over groups of (m - 128 d) * xsum for one row and token: the part of the product that is not d * dot.
+inline float int4_offsets(const uint16_t* d, const uint16_t* mn, const float* xsum, int64_t groups) {
+#if INFERLAB_QUANT_SIMD
+  const __m512 minus128 = _mm512_set1_ps(-128.f);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + g));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mn + g));
+    acc = _mm512_fmadd_ps(_mm512_fmadd_ps(dv, minus128, mv), _mm512_maskz_loadu_ps(mask, xsum + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float s = 0.f;
+  for (int64_t g = 0; g < groups; ++g) s += (fp16_to_float(mn[g]) - 128.f * fp16_to_float(d[g])) * xsum[g];
+  return s;
+#endif
+}
+
+template <int MB, int NB>
+void int4_tile_any(const uint16_t* xp, int64_t K, int64_t G, const uint8_t* w, const uint16_t* d, float* out) {
+#if INFERLAB_QUANT_SIMD
+  int4_tile<MB, NB>(xp, K, G, w, d, out);
+#else
+  const int64_t ldw = K / 2, ldd = K / G;
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) {
+      float s = 0.f;
+      for (int64_t c = 0; c < K / 64; ++c)
+        for (int64_t i = 0; i < 32; ++i) {
+          const int64_t b = 32 * c + i;
+          const uint8_t byte = w[n * ldw + b];
+          const float dg = fp16_to_float(d[n * ldd + b / (G / 2)]);
+          const float xl = static_cast<float>(c10::BFloat16(xp[m * K + 64 * c + i], c10::BFloat16::from_bits()));
+          const float xh = static_cast<float>(c10::BFloat16(xp[m * K + 64 * c + 32 + i], c10::BFloat16::from_bits()));
+          s += dg * ((128.f + (byte & 0xF)) * xl + (128.f + (byte >> 4)) * xh);
+        }
+      out[m * NB + n] = s;
+    }
+#endif
+}
+
+template <int NB, typename T>
+void int4_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, int64_t G, const uint8_t* w,
+               const uint16_t* d, const uint16_t* mn, T* y, int64_t N, int64_t n0) {
+  const int64_t groups = K / G;
+  float out[4 * NB];
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const int64_t mb = std::min<int64_t>(4, M - m0);
+    const uint16_t* xm = xp + m0 * K;
+    switch (mb) {
+      case 1: int4_tile_any<1, NB>(xm, K, G, w, d, out); break;
+      case 2: int4_tile_any<2, NB>(xm, K, G, w, d, out); break;
+      case 3: int4_tile_any<3, NB>(xm, K, G, w, d, out); break;
+      default: int4_tile_any<4, NB>(xm, K, G, w, d, out); break;
+    }
+    for (int64_t m = 0; m < mb; ++m)
+      for (int n = 0; n < NB; ++n)
+        store(y, (m0 + m) * N + n0 + n,
+              out[m * NB + n] + int4_offsets(d + n * groups, mn + n * groups, xsum + (m0 + m) * groups, groups));
+  }
+}
+
+template <typename T>
+void int4_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const uint16_t* mn, T* y, int64_t M,
+                      int64_t K, int64_t N, int64_t G) {
+  const int64_t groups = K / G;
+  std::vector<uint16_t> xp(M * K);
+  std::vector<float> xsum(M * groups);
+  prepare_int4_activations(x, M, K, G, xp.data(), xsum.data());
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileRows;
+      prefetch_tile(w + n0 * K / 2, kTileRows * K / 2, w + N * K / 2);
+      if (n0 + kTileRows <= N) {
+        int4_rows<kTileRows>(xp.data(), xsum.data(), M, K, G, w + n0 * K / 2, d + n0 * groups, mn + n0 * groups, y,
+                             N, n0);
+      } else {
+        for (int64_t n = n0; n < N; ++n)
+          int4_rows<1>(xp.data(), xsum.data(), M, K, G, w + n * K / 2, d + n * groups, mn + n * groups, y, N, n);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool quant_simd() { return INFERLAB_QUANT_SIMD; }
+
+// x [M, K] fp32|bf16; qweight int8 [N, K]; scales [N] (fp32 or bf16) -> y [M, N] in x's dtype.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1), "x [M, K] and qweight [N, K]");
+  TORCH_CHECK(qweight.scalar_type() == torch::kChar && qweight.is_contiguous(), "qweight must be contiguous int8");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == qweight.size(0) && scales.is_contiguous(), "scales [N]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  auto run = [&](auto* xp, auto* yp) {
+    if (scales.scalar_type() == torch::kBFloat16) {
+      int8_linear_impl(xp, qweight.data_ptr<int8_t>(), scales.data_ptr<at::BFloat16>(), yp, M, K, N);
+    } else {
+      TORCH_CHECK(scales.scalar_type() == torch::kFloat, "scales must be float32 or bfloat16");
+      int8_linear_impl(xp, qweight.data_ptr<int8_t>(), scales.data_ptr<float>(), yp, M, K, N);
+    }
+  };
+  if (x.scalar_type() == torch::kBFloat16) {
+    run(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat, "float32 or bfloat16 only");
+    run(x.data_ptr<float>(), y.data_ptr<float>());
+  }
+  return y;
+}
+
+// x [M, K] fp32|bf16 (rounded to bf16 for the products); qweight uint8 [N, K/2] (Q4_1 nibble order per group);
+// scales, mins fp16 [N, K/G] (or int16 holding their bits) -> y [M, N] in x's dtype.
+// K must be a multiple of 64, G 32 or a multiple of 64.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                          int64_t group_size) {
+  const int64_t G = group_size;
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.size(1) * 2 == x.size(1), "x [M, K], qweight [N, K/2]");
+  TORCH_CHECK(x.size(1) % 64 == 0 && (G == 32 || G % 64 == 0) && x.size(1) % G == 0,
+              "int4 kernel needs K % 64 == 0 and a group size of 32 or a multiple of 64 dividing K");
+  TORCH_CHECK(qweight.scalar_type() == torch::kByte && qweight.is_contiguous(), "qweight must be contiguous uint8");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  for (const auto& t : {scales, mins})
+    TORCH_CHECK((t.scalar_type() == torch::kHalf || t.scalar_type() == torch::kShort) && t.is_contiguous() &&
+                    t.dim() == 2 && t.size(0) == N && t.size(1) == K / G,
+                "scales and mins must be contiguous float16 (or its int16 bits) [N, K / group_size]");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const auto* w = qweight.data_ptr<uint8_t>();
+  const auto* d = static_cast<const uint16_t*>(scales.data_ptr());
+  const auto* mn = static_cast<const uint16_t*>(mins.data_ptr());
+  if (x.scalar_type() == torch::kBFloat16) {
+    int4_linear_impl(x.data_ptr<at::BFloat16>(), w, d, mn, y.data_ptr<at::BFloat16>(), M, K, N, G);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kFloat, "float32 or bfloat16 only");
+    int4_linear_impl(x.data_ptr<float>(), w, d, mn, y.data_ptr<float>(), M, K, N, G);
+  }
+  return y;
+}
