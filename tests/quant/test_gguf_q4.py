@@ -43,7 +43,7 @@ def test_q4_1_direct_is_exact(seed):
 @needs_quant_kernels
 def test_q4_1_kernel_multiplies_by_the_file_values():
     """The kernel's weight values, read by multiplying the identity (exact in bf16), are gguf's up to the fp32
-    rounding of the kernel's own sum d * (128 + q) + (m - 128 d) (see kernels/quant_linear.cpp)."""
+    rounding of the kernel's own sum d * (128 + q) + (m - 128 d) (see kernels/gemv.cpp)."""
     raw = _raw("Q4_1", seed=3)
     layer, _ = quantize_weight(None, "int4", 32, raw)
     ref = _reference(raw).double()

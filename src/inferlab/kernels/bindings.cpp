@@ -1,21 +1,10 @@
 // The Python module: one entry per kernel (each defined in its own file).
 
+#include "decode_layers.h"
+#include "kernels.h"
+
+#include <pybind11/stl.h>
 #include <torch/extension.h>
-
-#include <tuple>
-
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                      torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-std::tuple<torch::Tensor, torch::Tensor> rotary_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                                         torch::Tensor k_cache, torch::Tensor v_cache,
-                                                         torch::Tensor slots, int64_t H, int64_t KVH);
-bool quant_simd();
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
-                          int64_t group_size);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
@@ -25,4 +14,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_simd", &quant_simd, "whether the int8/int4 kernels were built with AVX-512 BF16");
   m.def("int8_linear", &int8_linear, "x @ (q * scale).T for int8 weights, per-row scales (CPU)");
   m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)");
+  m.def("bf16_linear", &bf16_linear, "x @ w.T for bf16 weights, small steps (CPU)");
+  pybind11::class_<PlanLinear>(m, "PlanLinear")
+      .def(pybind11::init<>())
+      .def_readwrite("kind", &PlanLinear::kind)
+      .def_readwrite("a", &PlanLinear::a)
+      .def_readwrite("b", &PlanLinear::b)
+      .def_readwrite("c", &PlanLinear::c)
+      .def_readwrite("group", &PlanLinear::group);
+  pybind11::class_<PlanLayer>(m, "PlanLayer")
+      .def(pybind11::init<>())
+      .def_readwrite("input_norm", &PlanLayer::input_norm)
+      .def_readwrite("post_norm", &PlanLayer::post_norm)
+      .def_readwrite("k_cache", &PlanLayer::k_cache)
+      .def_readwrite("v_cache", &PlanLayer::v_cache)
+      .def_readwrite("qkv", &PlanLayer::qkv)
+      .def_readwrite("o", &PlanLayer::o)
+      .def_readwrite("gate_up", &PlanLayer::gate_up)
+      .def_readwrite("down", &PlanLayer::down);
+  pybind11::class_<DecodePlan>(m, "DecodePlan")
+      .def(pybind11::init<>())
+      .def_readwrite("layers", &DecodePlan::layers)
+      .def_readwrite("eps", &DecodePlan::eps)
+      .def_readwrite("scale", &DecodePlan::scale)
+      .def_readwrite("heads", &DecodePlan::heads)
+      .def_readwrite("kv_heads", &DecodePlan::kv_heads);
+  m.def("decode_layers", &decode_layers, "all decoder layers of a small decode step (CPU)");
 }

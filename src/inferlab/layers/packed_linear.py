@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Steps with at most this many rows use the matrix-vector kernel.
+# Steps with at most this many rows use a matrix-vector kernel: inferlab's (kernels/gemv.cpp) where it is built,
+# else torch's own for up to 2 rows.
 GEMV_MAX_ROWS = 2
+KERNEL_MAX_ROWS = 4
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -38,15 +40,30 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor: a plain attribute, not a buffer, so module-wide .to() and state_dict() skip it.
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
+        from inferlab.kernels import quant_kernels
+
+        self.kernels = quant_kernels() if self.weight.is_contiguous() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= GEMV_MAX_ROWS:
+        if self.kernels is not None and x2.shape[0] <= KERNEL_MAX_ROWS and x2.dtype == torch.bfloat16 \
+                and not x2.requires_grad:
+            y = self.kernels.bf16_linear(x2, self.weight)
+        elif x2.shape[0] <= GEMV_MAX_ROWS:
             with _without_onednn():
                 y = F.linear(x2, self.weight)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def plan_linear(self, max_tokens: int):
+        """This projection for kernels/decode_layers.cpp (kind 0: the bf16 weight), or None unless forward() would
+        use the same kernel for every step of up to `max_tokens` rows."""
+        if self.kernels is None or max_tokens > KERNEL_MAX_ROWS:
+            return None
+        p = self.kernels.PlanLinear()
+        p.kind, p.a = 0, self.weight.detach()
+        return p
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.kernels import kernels_for
+from inferlab.kernels import cpu_kernels, kernels_for
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
 from inferlab.layers.rotary import RotaryEmbedding, apply_rotary
@@ -75,6 +75,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+# Decode-only steps of up to this many tokens run every layer in one C++ call (kernels/decode_layers.cpp) when the
+# model has a decode plan: the same kernels, in the same order, as the layers below call one by one at that size.
+DECODE_PLAN_MAX_TOKENS = 4
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -82,15 +87,56 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.decode_plan = None  # see build_decode_plan
 
     def forward(self, input_ids, positions, meta, num_layers: int | None = None):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
-        for layer in self.layers[:num_layers]:
-            x, residual = layer(x, residual, cos, sin, meta)
+        g = meta.decode
+        if (self.decode_plan is not None and num_layers is None and meta.extend is None and g is not None
+                and x.shape[0] == meta.num_decode_tokens == meta.slot_mapping.shape[0] <= DECODE_PLAN_MAX_TOKENS
+                and g.context_lens is not None):
+            x, residual = cpu_kernels().decode_layers(self.decode_plan, x, cos, sin, meta.slot_mapping,
+                                                      g.block_tables, g.context_lens)
+        else:
+            residual = None
+            for layer in self.layers[:num_layers]:
+                x, residual = layer(x, residual, cos, sin, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def build_decode_plan(self) -> bool:
+        """Prepare the one-call path for small decode steps, where every projection has a small-step kernel of
+        inferlab's own and the activations, norms and KV pool are one dtype the kernels take (bf16 on the CPU).
+        Call after the KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
+        self.decode_plan = None
+        kernels = cpu_kernels()
+        first = self.layers[0]
+        if kernels is None or not hasattr(kernels, "DecodePlan") or first.self_attn.attn.k_cache.numel() == 0:
+            return False
+        if kernels_for(first.self_attn.attn.k_cache, first.input_layernorm.weight) is None \
+                or first.input_layernorm.weight.dtype != torch.bfloat16:
+            return False
+        layers = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            projs = [m.plan_linear(DECODE_PLAN_MAX_TOKENS) if hasattr(m, "plan_linear") else None
+                     for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(p is None for p in projs):
+                return False
+            p = kernels.PlanLayer()
+            p.input_norm = layer.input_layernorm.weight.detach()
+            p.post_norm = layer.post_attention_layernorm.weight.detach()
+            p.k_cache, p.v_cache = a.attn.k_cache, a.attn.v_cache
+            p.qkv, p.o, p.gate_up, p.down = projs
+            layers.append(p)
+        plan = kernels.DecodePlan()
+        plan.layers = layers
+        plan.eps = self.layers[0].input_layernorm.eps
+        plan.scale = first.self_attn.attn.scale
+        plan.heads, plan.kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
+        self.decode_plan = plan
+        return True
 
 
 def batch_invariant_rows(n: int) -> int:

@@ -7,7 +7,7 @@ Packing: row n's bytes [g * G/2, (g + 1) * G/2) hold group g; byte j holds the g
 and element G/2 + j in its high nibble. For G = 32 that is Q4_1's own block layout, so a Q4_1 weight keeps the
 file's nibble bytes and its fp16 (d, m) as they are: the layer multiplies by exactly llama.cpp's values.
 
-inferlab's CPU kernel (kernels/quant_linear.cpp) reads this layout directly; it needs K % 64 == 0 and G = 32 or a
+inferlab's CPU kernel (kernels/gemv.cpp) reads this layout directly; it needs K % 64 == 0 and G = 32 or a
 multiple of 64. Other shapes, other devices, and a machine where the kernels cannot be built dequantize and use
 the dense matmul.
 """
@@ -113,6 +113,9 @@ class Int4Linear(QuantLinear):
     def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
         # The kernel reads the int16 buffers as the fp16 bit patterns they are.
         return kernels.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size)
+
+    def _plan_fields(self, p) -> None:
+        p.kind, p.a, p.b, p.c, p.group = 2, self.qweight, self.scales, self.mins, self.group_size
 
     def extra_repr(self) -> str:
         src = ", from GGUF Q4_1" if self.from_q4_1 else ""

@@ -72,6 +72,9 @@ class Int8Linear(QuantLinear):
     def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_linear(x, self.qweight, self.scales)
 
+    def _plan_fields(self, p) -> None:
+        p.kind, p.a, p.b = 1, self.qweight, self.scales
+
 
 class _TorchInt8Kernel:
     @staticmethod

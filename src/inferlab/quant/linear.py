@@ -1,7 +1,7 @@
 """The shared shape of a weight-quantized linear layer: a fast kernel for small steps, dequantize + dense matmul
 for large ones.
 
-The kernels are inferlab's own (kernels/quant_linear.cpp): they stream the quantized weight once per step and
+The kernels are inferlab's own (kernels/gemv.cpp): they stream the quantized weight once per step and
 dequantize in registers, so a decode token reads 2-3x fewer bytes than bf16 and runs 2-3x faster. Their work grows
 with the tokens in the step, while oneDNN's bf16 GEMM barely slows down until it turns compute-bound, so from a few
 tokens on the dense matmul wins (`python benchmarks/quantization.py kernels`, in docs/benchmarks.md). The dense
@@ -97,6 +97,21 @@ class QuantLinear(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.buffers()).device
+
+    def plan_linear(self, max_tokens: int):
+        """This projection for kernels/decode_layers.cpp, or None unless forward() would use inferlab's own kernel
+        for every step of up to `max_tokens` tokens."""
+        from inferlab.kernels import quant_kernels
+
+        kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
+        if kernels is None or kernels is not quant_kernels() or self.kernel_token_limit() < max_tokens:
+            return None
+        p = kernels.PlanLinear()
+        self._plan_fields(p)
+        return p
+
+    def _plan_fields(self, p) -> None:
+        raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full weight [out, in] as the quantized values represent it."""

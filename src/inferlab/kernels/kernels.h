@@ -1,0 +1,21 @@
+// The entry points of inferlab's CPU kernels, each defined in its own file; bindings.cpp exposes them to Python
+// and decode_layers.cpp chains them.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+std::tuple<torch::Tensor, torch::Tensor> rotary_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                                         torch::Tensor k_cache, torch::Tensor v_cache,
+                                                         torch::Tensor slots, int64_t H, int64_t KVH);
+bool quant_simd();
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
+                          int64_t group_size);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight);

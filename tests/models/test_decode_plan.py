@@ -1,0 +1,43 @@
+"""The one-call path for small decode steps (kernels/decode_layers.cpp) computes exactly what the layers compute one
+by one: same kernels, same order, so greedy generations are token-for-token identical with it and without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from inferlab import LLM, SamplingParams
+from inferlab.kernels import cpu_kernels, quant_kernels
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(quant_kernels() is None, reason="the plan needs inferlab's AVX-512 BF16 kernels")]
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a quiet village,"]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    together = [o.token_ids for o in llm.generate(PROMPTS, sp)]  # decode steps of 3 tokens
+    alone = [llm.generate([p], sp)[0].token_ids for p in PROMPTS]  # decode steps of 1
+    return together + alone
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
+    llm = LLM(quantization=quantization, dtype="bfloat16", kv_cache_memory=64 * 2**20)
+    model = llm.engine.runner.model.model
+    assert llm.engine.runner.decode_plan and model.decode_plan is not None
+    kernels, calls = cpu_kernels(), []
+    real = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    with_plan = _generate(llm)
+    assert set(calls) == {1, 3}  # the plan really served the decode steps, batched and alone
+    plan, model.decode_plan = model.decode_plan, None
+    calls.clear()
+    without = _generate(llm)
+    assert not calls
+    assert with_plan == without
+    model.decode_plan = plan
+
+
+def test_no_plan_where_the_kernels_do_not_apply(llm_fp32):
+    assert not llm_fp32.engine.runner.decode_plan  # fp32: the layers run one by one
