@@ -93,3 +93,15 @@ def test_reads_sized_by_want_never_cross_a_chunk_written_apart():
         pos += len(data)
     assert ex.done.done() and pos == len(stream)
     loop.close()
+
+
+def test_request_ids_are_uuids_that_name_run_and_index():
+    import uuid
+
+    from inferlab.bench.runner import request_id
+
+    ids = {request_id("044eb51c", run, i) for run in (0, 1, 70000) for i in (0, 1, 2**40)}
+    assert len(ids) == 9
+    for rid in ids:
+        assert str(uuid.UUID(rid)) == rid  # servers that validate X-Request-Id (llama-cpp-python) accept it
+    assert request_id("044eb51c", 3, 17) == "044eb51c-0003-4000-8000-000000000011"

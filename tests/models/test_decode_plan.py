@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from inferlab import LLM, SamplingParams
-from inferlab.kernels import cpu_kernels, quant_kernels
+from inferlab.kernels import cpu_kernels, gemv_kernels
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(quant_kernels() is None, reason="the plan needs inferlab's AVX-512 BF16 kernels")]
+              pytest.mark.skipif(gemv_kernels() is None, reason="the plan needs inferlab's AVX-512 BF16 kernels")]
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a quiet village,"]
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.kernels import cpu_kernels, quant_kernels
+from inferlab.kernels import cpu_kernels, gemv_kernels
 from inferlab.layers import attention as attention_mod
 from inferlab.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
 from inferlab.layers.packed_linear import PackedLinear, pack_linears, packing_available
@@ -108,19 +108,19 @@ def test_packed_linear_equals_dense_matmul(rows):
     assert torch.allclose(y, F.linear(x, lin.weight), atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(quant_kernels() is None, reason="inferlab's gemv kernels need AVX-512 BF16 and a compiler")
+@pytest.mark.skipif(gemv_kernels() is None, reason="inferlab's gemv kernels need AVX-512 BF16 and a compiler")
 @pytest.mark.parametrize("k", [576, 80])  # 80: a masked tail of 16 columns
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 def test_bf16_gemv_kernel_matches_float64(k, rows):
     g = torch.Generator().manual_seed(k + rows)
     w = torch.randn(203, k, generator=g).bfloat16()  # 203 outputs: a partial 4-row tile
     x = torch.randn(rows, k, generator=g).bfloat16()
-    y = quant_kernels().bf16_linear(x, w)
+    y = gemv_kernels().bf16_linear(x, w)
     ref = x.double() @ w.double().T
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 203)
     # fp32 sums rounded once to bf16: within bf16's half-ulp of the exact product (plus fp32 summation slack).
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * (x.double().abs() @ w.double().abs().T)).all()
-    assert torch.equal(quant_kernels().bf16_linear(x[:1], w), y[:1])  # a row's result ignores the other rows
+    assert torch.equal(gemv_kernels().bf16_linear(x[:1], w), y[:1])  # a row's result ignores the other rows
 
 
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")

@@ -8,11 +8,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from inferlab.kernels import quant_kernels
+from inferlab.kernels import gemv_kernels
 from inferlab.quant import quantize_weight
 from inferlab.quant.gguf_q4 import RawGGUFWeight, q4_1_blocks, q8_0_blocks
 
-needs_quant_kernels = pytest.mark.skipif(quant_kernels() is None,
+needs_gemv_kernels = pytest.mark.skipif(gemv_kernels() is None,
                                          reason="inferlab's int4 kernel needs AVX-512 BF16 and a C++ compiler")
 
 
@@ -40,7 +40,7 @@ def test_q4_1_direct_is_exact(seed):
     assert torch.equal(layer.m.view(torch.int16), torch.from_numpy(blocks[..., 2:4].copy().view(np.int16)[..., 0]))
 
 
-@needs_quant_kernels
+@needs_gemv_kernels
 def test_q4_1_kernel_multiplies_by_the_file_values():
     """The kernel's weight values, read by multiplying the identity (exact in bf16), are gguf's up to the fp32
     rounding of the kernel's own sum d * (128 + q) + (m - 128 d) (see kernels/gemv.cpp)."""

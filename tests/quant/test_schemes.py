@@ -177,7 +177,7 @@ def test_int8_falls_back_to_torchs_kernel_without_ours(monkeypatch):
     layer = Int8Linear.from_float(_weights(7))
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(7))
     ours = layer(x)
-    monkeypatch.setattr(int8, "quant_kernels", lambda: None)
+    monkeypatch.setattr(int8, "gemv_kernels", lambda: None)
     layer.to(torch.float32)  # a module move makes the layer look its kernel up again
     assert layer.find_kernels() is int8._TorchInt8Kernel
     theirs = layer(x)

@@ -30,6 +30,12 @@ from inferlab.bench.tokenizer import load_tokenizer
 from inferlab.bench.workload import RequestSpec
 
 
+def request_id(tag: str, run: int, index: int) -> str:
+    """X-Request-Id for request `index` of `run`: a well-formed UUID (version 4 layout) that still reads as
+    tag-run-index, because some servers reject any other shape (llama-cpp-python's answers 400)."""
+    return f"{tag[:8]:0>8}-{run % 0x10000:04x}-4000-8000-{index:012x}"
+
+
 @dataclass(slots=True)
 class Load:
     kind: str  # concurrency | rate | trace
@@ -71,7 +77,7 @@ class WorkerPlan:
     duration: float | None = None
     run: int = 0
     worker: int = 0
-    tag: str = ""  # prefix of X-Request-Id
+    tag: str = ""  # 8 hex digits: the benchmark's part of X-Request-Id
     tokenizer: str | None = None  # spec for load_tokenizer ("none": count chunks)
     records_path: str = ""
     t0: float | None = None  # clock origin (absolute perf_counter); None = start now
@@ -126,7 +132,7 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
         cap = asyncio.Semaphore(plan.load.max_concurrency) if plan.load.max_concurrency else None
 
         def new(i: int, scheduled: float | None) -> RequestRecord:
-            return RequestRecord(index=i, run=plan.run, worker=plan.worker, request_id=f"{plan.tag}-{plan.run}-{i}",
+            return RequestRecord(index=i, run=plan.run, worker=plan.worker, request_id=request_id(plan.tag, plan.run, i),
                                  warmup=i < plan.warmup, scheduled=scheduled)
 
         def finish(rec: RequestRecord) -> None:

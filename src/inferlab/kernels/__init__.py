@@ -53,8 +53,8 @@ def kernels_for(*tensors: torch.Tensor):
     return cpu_kernels()
 
 
-def quant_kernels():
-    """The kernels if their int8/int4 linear layers were built vectorised (AVX-512 with BF16), else None: the scalar
-    build computes the same values but slower than dequantizing for torch's matmul."""
+def gemv_kernels():
+    """The kernels if their matrix-vector products (gemv.cpp: bf16, int8, int4) were built vectorised (AVX-512 with
+    BF16), else None: the scalar build computes the same values, but slower than torch's own paths."""
     k = cpu_kernels()
-    return k if k is not None and k.quant_simd() else None
+    return k if k is not None and k.gemv_simd() else None

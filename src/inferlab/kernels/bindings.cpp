@@ -6,15 +6,18 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+// Every kernel lets go of the GIL while it runs: the server's engine thread spends most of a step inside them, and
+// holding the GIL there stalled the event-loop thread (and then the engine waited for the GIL in turn).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)");
-  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
-  m.def("rotary_kv_write", &rotary_kv_write, "rotary Q/K + K/V write into the paged pool (CPU)");
-  m.def("quant_simd", &quant_simd, "whether the int8/int4 kernels were built with AVX-512 BF16");
-  m.def("int8_linear", &int8_linear, "x @ (q * scale).T for int8 weights, per-row scales (CPU)");
-  m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)");
-  m.def("bf16_linear", &bf16_linear, "x @ w.T for bf16 weights, small steps (CPU)");
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU)", nogil);
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)", nogil);
+  m.def("rotary_kv_write", &rotary_kv_write, "rotary Q/K + K/V write into the paged pool (CPU)", nogil);
+  m.def("gemv_simd", &gemv_simd, "whether the gemv kernels were built with AVX-512 BF16");
+  m.def("int8_linear", &int8_linear, "x @ (q * scale).T for int8 weights, per-row scales (CPU)", nogil);
+  m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)", nogil);
+  m.def("bf16_linear", &bf16_linear, "x @ w.T for bf16 weights, small steps (CPU)", nogil);
   pybind11::class_<PlanLinear>(m, "PlanLinear")
       .def(pybind11::init<>())
       .def_readwrite("kind", &PlanLinear::kind)
@@ -39,5 +42,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scale", &DecodePlan::scale)
       .def_readwrite("heads", &DecodePlan::heads)
       .def_readwrite("kv_heads", &DecodePlan::kv_heads);
-  m.def("decode_layers", &decode_layers, "all decoder layers of a small decode step (CPU)");
+  m.def("decode_layers", &decode_layers, "all decoder layers of a small decode step (CPU)", nogil);
 }

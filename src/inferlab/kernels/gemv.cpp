@@ -17,7 +17,7 @@
 //
 // A tile of NB output rows x MB tokens shares every weight load, so one pass over the weight serves the whole step.
 // Row tiles are split over the threads. Without AVX-512 (BW, BF16) at build time the scalar loops below compute
-// the same sums slowly; `quant_simd()` tells Python which one it got, so it can prefer another path.
+// the same sums slowly; `gemv_simd()` tells Python which one it got, so it can prefer another path.
 
 #include "cpu_common.h"
 
@@ -29,9 +29,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#define INFERLAB_QUANT_SIMD 1
+#define INFERLAB_GEMV_SIMD 1
 #else
-#define INFERLAB_QUANT_SIMD 0
+#define INFERLAB_GEMV_SIMD 0
 #endif
 
 namespace {
@@ -70,7 +70,7 @@ inline uint16_t bf16_bits(float v) {
 
 // ---------------------------------------------------------------------------------------------------------- int8
 
-#if INFERLAB_QUANT_SIMD
+#if INFERLAB_GEMV_SIMD
 template <int MB, int NB>
 inline void int8_tile(const float* x, int64_t K, const int8_t* w, float* out /*[MB][NB]*/) {
   __m512 acc[MB][NB];
@@ -104,7 +104,7 @@ inline void int8_tile(const float* x, int64_t K, const int8_t* w, float* out /*[
 
 template <int MB, int NB>
 void int8_tile_any(const float* x, int64_t K, const int8_t* w, float* out) {
-#if INFERLAB_QUANT_SIMD
+#if INFERLAB_GEMV_SIMD
   int8_tile<MB, NB>(x, K, w, out);
 #else
   for (int m = 0; m < MB; ++m)
@@ -187,7 +187,7 @@ void prepare_int4_activations(const T* x, int64_t M, int64_t K, int64_t G, uint1
   }
 }
 
-#if INFERLAB_QUANT_SIMD
+#if INFERLAB_GEMV_SIMD
 template <int MB, int NB>
 inline void int4_tile(const uint16_t* xp, int64_t K, int64_t G, const uint8_t* w, const uint16_t* d,
                       float* out /*[MB][NB]*/) {
@@ -230,7 +230,7 @@ inline void int4_tile(const uint16_t* xp, int64_t K, int64_t G, const uint8_t* w
 
 // sum over groups of (m - 128 d) * xsum for one row and token: the part of the product that is not d * dot.
 inline float int4_offsets(const uint16_t* d, const uint16_t* mn, const float* xsum, int64_t groups) {
-#if INFERLAB_QUANT_SIMD
+#if INFERLAB_GEMV_SIMD
   const __m512 minus128 = _mm512_set1_ps(-128.f);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 16) {
@@ -249,7 +249,7 @@ inline float int4_offsets(const uint16_t* d, const uint16_t* mn, const float* xs
 
 template <int MB, int NB>
 void int4_tile_any(const uint16_t* xp, int64_t K, int64_t G, const uint8_t* w, const uint16_t* d, float* out) {
-#if INFERLAB_QUANT_SIMD
+#if INFERLAB_GEMV_SIMD
   int4_tile<MB, NB>(xp, K, G, w, d, out);
 #else
   const int64_t ldw = K / 2, ldd = K / G;
@@ -316,7 +316,7 @@ void int4_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const uin
 
 // ---------------------------------------------------------------------------------------------------------- bf16
 
-#if INFERLAB_QUANT_SIMD
+#if INFERLAB_GEMV_SIMD
 template <int MB, int NB>
 inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float* out /*[MB][NB]*/) {
   __m512 acc[MB][NB];
@@ -338,7 +338,7 @@ inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float* ou
 
 template <int MB, int NB>
 void bf16_tile_any(const uint16_t* x, int64_t K, const uint16_t* w, float* out) {
-#if INFERLAB_QUANT_SIMD
+#if INFERLAB_GEMV_SIMD
   bf16_tile<MB, NB>(x, K, w, out);
 #else
   auto f = [](uint16_t b) { return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits())); };
@@ -370,7 +370,7 @@ void bf16_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, at::B
 
 }  // namespace
 
-bool quant_simd() { return INFERLAB_QUANT_SIMD; }
+bool gemv_simd() { return INFERLAB_GEMV_SIMD; }
 
 // x [M, K] fp32|bf16; qweight int8 [N, K]; scales [N] (fp32 or bf16) -> y [M, N] in x's dtype.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {

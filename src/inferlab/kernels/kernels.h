@@ -14,7 +14,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 std::tuple<torch::Tensor, torch::Tensor> rotary_kv_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                                          torch::Tensor k_cache, torch::Tensor v_cache,
                                                          torch::Tensor slots, int64_t H, int64_t KVH);
-bool quant_simd();
+bool gemv_simd();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           int64_t group_size);

@@ -121,7 +121,7 @@ def fit_lines(card, results) -> tuple[list[str], str]:
             part += f"; measured TPOT p50 {tpot * 1e3:.1f} ms = {bound / tpot:.0%} of the roofline"
         if w:
             part += (f"; weights predicted {rep.weights[q].total / 1e6:.0f} MB, server reports {w / 1e6:.0f} MB "
-                     "(rotary tables and, for GGUF int4, the file's own block scales included there)")
+                     "(rotary tables and quantization scales included there)")
         lines.append(part)
     if lines:
         lines.insert(0, f"Roofline on {hw.name}: {hw.bandwidth / 1e9:.1f} GB/s read bandwidth, "

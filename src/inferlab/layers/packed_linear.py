@@ -40,9 +40,9 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor: a plain attribute, not a buffer, so module-wide .to() and state_dict() skip it.
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
-        from inferlab.kernels import quant_kernels
+        from inferlab.kernels import gemv_kernels
 
-        self.kernels = quant_kernels() if self.weight.is_contiguous() else None
+        self.kernels = gemv_kernels() if self.weight.is_contiguous() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
         self.decode_plan = None
         kernels = cpu_kernels()
         first = self.layers[0]
-        if kernels is None or not hasattr(kernels, "DecodePlan") or first.self_attn.attn.k_cache.numel() == 0:
+        if kernels is None or first.self_attn.attn.k_cache.numel() == 0:
             return False
         if kernels_for(first.self_attn.attn.k_cache, first.input_layernorm.weight) is None \
                 or first.input_layernorm.weight.dtype != torch.bfloat16:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from inferlab.kernels import quant_kernels
+from inferlab.kernels import gemv_kernels
 from inferlab.quant.linear import QuantLinear
 
 QMAX = 127  # symmetric range: -128 is left unused so that q and -q are both representable
@@ -67,7 +67,7 @@ class Int8Linear(QuantLinear):
         # for one token: the module's stand-in below calls it.
         if self.device.type != "cpu":
             return None
-        return quant_kernels() or _TorchInt8Kernel
+        return gemv_kernels() or _TorchInt8Kernel
 
     def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_linear(x, self.qweight, self.scales)

@@ -83,9 +83,9 @@ class QuantLinear(nn.Module):
     def find_kernels(self):
         """The module with this layer's CPU kernel, or None (other devices, or where the kernels cannot be built):
         then the layer dequantizes (correct, not fast)."""
-        from inferlab.kernels import quant_kernels
+        from inferlab.kernels import gemv_kernels
 
-        return quant_kernels() if self.device.type == "cpu" else None
+        return gemv_kernels() if self.device.type == "cpu" else None
 
     def _lookup_kernels(self):
         self._kernels = self.find_kernels()
@@ -101,10 +101,10 @@ class QuantLinear(nn.Module):
     def plan_linear(self, max_tokens: int):
         """This projection for kernels/decode_layers.cpp, or None unless forward() would use inferlab's own kernel
         for every step of up to `max_tokens` tokens."""
-        from inferlab.kernels import quant_kernels
+        from inferlab.kernels import gemv_kernels
 
         kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
-        if kernels is None or kernels is not quant_kernels() or self.kernel_token_limit() < max_tokens:
+        if kernels is None or kernels is not gemv_kernels() or self.kernel_token_limit() < max_tokens:
             return None
         p = kernels.PlanLinear()
         self._plan_fields(p)

@@ -113,14 +113,17 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def build_app(engine: Any, max_num_seqs: int, config: ServerConfig | None = None) -> FastAPI:
+def build_app(engine: Any, max_num_seqs: int, config: ServerConfig | None = None,
+              engine_thread: bool = True) -> FastAPI:
     """`engine` follows LLMEngine's contract (add_request/step/abort/has_work/stats/tokenize_prompt, model_name,
-    max_model_len); the app owns the thread that steps it from startup to shutdown. `max_num_seqs` must be the
-    engine's: admission control counts free running slots with it."""
+    max_model_len); the app owns the thread that steps it from startup to shutdown, unless engine_thread=False:
+    then the caller steps it with `app.state.async_engine.run_engine()` (see server/async_engine.py). `max_num_seqs` must
+    be the engine's: admission control counts free running slots with it."""
     cfg = config or ServerConfig()
     model_name: str = engine.model_name
     metrics = ServerMetrics(model_name)
-    aengine = AsyncEngine(engine, max_num_seqs=max_num_seqs, max_queue=cfg.max_queue, metrics=metrics)
+    aengine = AsyncEngine(engine, max_num_seqs=max_num_seqs, max_queue=cfg.max_queue, metrics=metrics,
+                          own_thread=engine_thread)
     metrics.engine.extra_gauges["inferlab:max_queue"] = cfg.max_queue
     created = int(time.time())
     json_model = json.dumps(model_name)

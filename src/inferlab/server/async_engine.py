@@ -1,5 +1,12 @@
 """The engine behind the event loop: one thread owns LLMEngine and steps it; each request gets an asyncio queue.
 
+`inferlab serve` steps the engine on the process's main thread, the one that loaded the model, and runs the event
+loop on another (`own_thread=False`, then `run_engine`). The reason is OpenMP: libgomp gives every thread that
+starts parallel regions its own team, and once a process holds more OpenMP threads than CPUs (the loading thread's
+team plus a second thread's) their workers stop spinning between regions and sleep, so every kernel call pays a
+futex wake-up. Measured on the 2-core machine: batch-1 decode 9.5 ms/token on the loading thread, 17 ms on
+another (docs/benchmarks.md, peers).
+
 The engine is not thread-safe, so everything that touches it (add, abort, step, stats) runs on its thread. The event
 loop only appends commands to two deques and sets an event; the engine thread drains them between steps, so an abort
 takes effect before the next forward pass. Each step's deltas cross back in one call_soon_threadsafe callback, and a
@@ -76,7 +83,12 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, max_num_seqs: int, max_queue: int, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: Any, max_num_seqs: int, max_queue: int, metrics: ServerMetrics | None = None,
+                 own_thread: bool = True):
+        """own_thread=False: start() does not start a thread; the caller steps the engine with run_engine()."""
+        self.own_thread = own_thread
+        self._loop_ready = threading.Event()
+        self._engine_done = threading.Event()
         self.engine = engine
         self.max_num_seqs = max_num_seqs
         self.max_queue = max_queue
@@ -97,14 +109,29 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="inferlab-engine", daemon=True)
-        self._thread.start()
+        if self.own_thread:
+            self._thread = threading.Thread(target=self._run, name="inferlab-engine", daemon=True)
+            self._thread.start()
+        self._loop_ready.set()
 
     async def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        elif not self.own_thread and self._loop_ready.is_set():
+            await asyncio.to_thread(self._engine_done.wait)
+
+    def run_engine(self, should_stop: Any = lambda: False) -> None:
+        """Step the engine on the calling thread until shutdown() (own_thread=False). Waits for start() first;
+        `should_stop()` is polled while waiting, so a server that fails to start does not block this forever."""
+        while not self._loop_ready.wait(0.1):
+            if should_stop():
+                return
+        try:
+            self._run()
+        finally:
+            self._engine_done.set()
 
     @property
     def num_in_flight(self) -> int:

@@ -1,7 +1,8 @@
 """`inferlab serve`: load the engine, then serve the OpenAI API on uvicorn until SIGTERM/SIGINT.
 
-On a signal uvicorn stops accepting connections, lets running requests finish for up to --shutdown-grace seconds,
-cancels what is left (which aborts those requests in the engine), then the engine thread stops and we exit 0.
+The engine steps on the main thread (the one that loaded the model) and uvicorn serves from a second one. On a
+signal uvicorn stops accepting connections, lets running requests finish for up to --shutdown-grace seconds,
+cancels what is left (which aborts those requests in the engine), then the engine loop stops and we exit 0.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from inferlab.engine.config import EngineConfig
@@ -84,18 +86,32 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, FileNotFoundError) as e:
         print(f"inferlab serve: cannot load the model: {e}", file=sys.stderr)
         return 2
+    # The engine steps on this thread, the one that loaded the model, and HTTP runs on another: see
+    # server/async_engine.py for why (OpenMP teams; batch-1 decode 1.8x slower on a second thread).
     app = build_app(engine, engine_config.max_num_seqs,
-                    ServerConfig(max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys))
+                    ServerConfig(max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys),
+                    engine_thread=False)
     auth = f"{len(keys)} API key(s)" if keys else "no auth"
     print(f"inferlab serve: {engine.model_name} (context {engine.max_model_len}) on http://{args.host}:{args.port}"
           f" | max-num-seqs {engine_config.max_num_seqs}, max-queue {args.max_queue}, {auth}", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=args.log_level == "debug",
                                            timeout_graceful_shutdown=args.shutdown_grace))
-    # uvicorn restores these handlers after its graceful shutdown and re-raises the signal it caught; with no-ops
-    # here that re-raise does nothing, so a SIGTERM/SIGINT-initiated shutdown exits 0 like any clean stop.
+    # uvicorn installs no signal handlers off the main thread: SIGTERM/SIGINT land here and ask it to stop
+    # gracefully (drain, then the app's shutdown stops the engine loop below); a second signal stops it at once.
+    def stop(*_):
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server.run()
+        signal.signal(sig, stop)
+    http = threading.Thread(target=server.run, name="inferlab-http")
+    http.start()
+    app.state.async_engine.run_engine(should_stop=lambda: not http.is_alive())
+    http.join()
+    if not server.started:  # uvicorn said why (a port in use, ...) and exits 3 on its own thread: so do we
+        print("inferlab serve: the HTTP server did not start (see the error above)", file=sys.stderr, flush=True)
+        return 3
     print("inferlab serve: stopped", flush=True)
     return 0
