@@ -69,7 +69,10 @@ def targets(port: int, extra: dict[str, list[str]]) -> dict[str, Target]:
         "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
         "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                                         gguf_path(), "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
-                                        "--n_ctx", "8192", "--model_alias", "smollm2"] + extra.get("llamacpp", []),
+                                        "--n_ctx", "8192", "--model_alias", "smollm2",
+                                        # it serves one sequence at a time, and by default a new request cuts off
+                                        # the one streaming (the client sees a dropped connection): queue instead
+                                        "--interrupt_requests", "False"] + extra.get("llamacpp", []),
                            "smollm2"),
     }
 
@@ -155,6 +158,7 @@ def summarize(res: dict) -> dict:
 
     return {
         "output_tokens_per_s": run["throughput"]["output_tokens_per_s"],
+        "input_tokens_per_s": run["throughput"]["input_tokens_per_s"],
         "ttft_p50_ms": p("ttft", "p50"), "ttft_p99_ms": p("ttft", "p99"),
         "itl_p50_ms": p("itl", "p50"), "itl_p99_ms": p("itl", "p99"),
         "tpot_p50_ms": p("tpot", "p50"),
@@ -212,17 +216,19 @@ def main() -> int:
 
 def print_table(results: dict) -> None:
     wls = sorted({wl for r in results.values() for wl in r if wl != "error"}, key=list(WORKLOADS).index)
-    print("\n| workload | target | output tok/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | ITL p99 | vs inferlab |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| workload | target | output tok/s | prompt tok/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | ITL p99 | "
+          "inferlab / target |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for wl in wls:
         base = results.get("inferlab", {}).get(wl, {}).get("output_tokens_per_s")
         for name, r in results.items():
             row = r.get(wl)
             if not row:
                 continue
-            ratio = f"{base / row['output_tokens_per_s']:.2f}x" if base and name != "inferlab" else ""
+            out = row["output_tokens_per_s"]
+            ratio = f"{base / out:.2f}x" if base and out and name != "inferlab" else ""
             f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
-            print(f"| {wl} | {name} | {row['output_tokens_per_s']:.1f} | {f(row['ttft_p50_ms'])} | "
+            print(f"| {wl} | {name} | {out:.1f} | {f(row.get('input_tokens_per_s'))} | {f(row['ttft_p50_ms'])} | "
                   f"{f(row['ttft_p99_ms'])} | {f(row['itl_p50_ms'])} | {f(row['itl_p99_ms'])} | {ratio} |")
 
 
