@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -51,6 +52,25 @@ inline void prefetch_tile(const void* tile, int64_t tile_bytes, const void* end)
   const char* p = static_cast<const char*>(tile);
   const int64_t n = std::min<int64_t>(tile_bytes + kPrefetchBytes, static_cast<const char*>(end) - p);
   for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// Runs rows(n0, kTileRows) for every full tile of output rows and rows(n, 1) for each row left over, tiles spread
+// over the threads, each tile's weights (row_bytes a row) prefetched first.
+template <typename Rows>
+void for_each_tile(int64_t N, int64_t row_bytes, const void* w, const Rows& rows) {
+  const char* base = static_cast<const char*>(w);
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileRows;
+      prefetch_tile(base + n0 * row_bytes, kTileRows * row_bytes, base + N * row_bytes);
+      if (n0 + kTileRows <= N) {
+        rows(n0, std::integral_constant<int, kTileRows>());
+      } else {
+        for (int64_t n = n0; n < N; ++n) rows(n, std::integral_constant<int, 1>());
+      }
+    }
+  });
 }
 
 inline float fp16_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -137,17 +157,8 @@ void int8_rows(const float* xf, int64_t M, int64_t K, const int8_t* w, const S* 
 template <typename T, typename S>
 void int8_linear_impl(const T* x, const int8_t* w, const S* scale, T* y, int64_t M, int64_t K, int64_t N) {
   const std::vector<float> xf = widen(x, M, K);
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileRows;
-      prefetch_tile(w + n0 * K, kTileRows * K, w + N * K);
-      if (n0 + kTileRows <= N) {
-        int8_rows<kTileRows>(xf.data(), M, K, w + n0 * K, scale, y, N, n0);
-      } else {
-        for (int64_t n = n0; n < N; ++n) int8_rows<1>(xf.data(), M, K, w + n * K, scale, y, N, n);
-      }
-    }
+  for_each_tile(N, K, w, [&](int64_t n0, auto nb) {
+    int8_rows<decltype(nb)::value>(xf.data(), M, K, w + n0 * K, scale, y, N, n0);
   });
 }
 
@@ -298,19 +309,9 @@ void int4_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const uin
   std::vector<uint16_t> xp(M * K);
   std::vector<float> xsum(M * groups);
   prepare_int4_activations(x, M, K, G, xp.data(), xsum.data());
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileRows;
-      prefetch_tile(w + n0 * K / 2, kTileRows * K / 2, w + N * K / 2);
-      if (n0 + kTileRows <= N) {
-        int4_rows<kTileRows>(xp.data(), xsum.data(), M, K, G, w + n0 * K / 2, d + n0 * groups, mn + n0 * groups, y,
-                             N, n0);
-      } else {
-        for (int64_t n = n0; n < N; ++n)
-          int4_rows<1>(xp.data(), xsum.data(), M, K, G, w + n * K / 2, d + n * groups, mn + n * groups, y, N, n);
-      }
-    }
+  for_each_tile(N, K / 2, w, [&](int64_t n0, auto nb) {
+    int4_rows<decltype(nb)::value>(xp.data(), xsum.data(), M, K, G, w + n0 * K / 2, d + n0 * groups,
+                                   mn + n0 * groups, y, N, n0);
   });
 }
 
@@ -437,17 +438,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight) {
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileRows;
-      prefetch_tile(w + n0 * K, kTileRows * K * 2, w + N * K);
-      if (n0 + kTileRows <= N) {
-        bf16_rows<kTileRows>(xp, M, K, w + n0 * K, yp, N, n0);
-      } else {
-        for (int64_t n = n0; n < N; ++n) bf16_rows<1>(xp, M, K, w + n * K, yp, N, n);
-      }
-    }
+  for_each_tile(N, K * 2, w, [&](int64_t n0, auto nb) {
+    bf16_rows<decltype(nb)::value>(xp, M, K, w + n0 * K, yp, N, n0);
   });
   return y;
 }
