@@ -132,8 +132,9 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
         cap = asyncio.Semaphore(plan.load.max_concurrency) if plan.load.max_concurrency else None
 
         def new(i: int, scheduled: float | None) -> RequestRecord:
-            return RequestRecord(index=i, run=plan.run, worker=plan.worker, request_id=request_id(plan.tag, plan.run, i),
-                                 warmup=i < plan.warmup, scheduled=scheduled)
+            return RequestRecord(index=i, run=plan.run, worker=plan.worker,
+                                 request_id=request_id(plan.tag, plan.run, i), warmup=i < plan.warmup,
+                                 scheduled=scheduled)
 
         def finish(rec: RequestRecord) -> None:
             records.append(rec)

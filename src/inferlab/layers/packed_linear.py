@@ -2,8 +2,9 @@
 
 Measured on the project's 2-core AVX-512 BF16 EPYC, torch 2.13, SmolLM2-135M's four layer shapes x 30 layers with
 weights out of cache (`python benchmarks/linear_kernels.py`): a weight pre-packed for oneDNN multiplies 1.25-1.6x
-faster than `F.linear` from 4 to 64 rows; for one or two rows, torch's own matrix-vector kernel (oneDNN bypassed)
-reads the weight at ~26 GB/s, twice oneDNN's rate. The layer keeps both forms, so the speed costs a second copy of
+faster than `F.linear` from 4 to 64 rows; for one to four rows a matrix-vector kernel reads the plain weight faster
+(inferlab's bf16 gemv, kernels/gemv.cpp, 1-4 rows; where it is not built, torch's own with oneDNN bypassed, 1-2
+rows, ~26 GB/s, twice oneDNN's rate). The layer keeps both forms, so the speed costs a second copy of
 the weights (for this model, 258 MiB more): serving trades memory for latency here, as `--no-pack-weights` undoes.
 The two kernels can round a bf16 result differently in the last bit, so bf16 outputs are not bit-identical across
 batch sizes (fp32, which the batch-invariance tests use, never takes this path: see models/llama.py,

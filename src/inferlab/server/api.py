@@ -117,8 +117,8 @@ def build_app(engine: Any, max_num_seqs: int, config: ServerConfig | None = None
               engine_thread: bool = True) -> FastAPI:
     """`engine` follows LLMEngine's contract (add_request/step/abort/has_work/stats/tokenize_prompt, model_name,
     max_model_len); the app owns the thread that steps it from startup to shutdown, unless engine_thread=False:
-    then the caller steps it with `app.state.async_engine.run_engine()` (see server/async_engine.py). `max_num_seqs` must
-    be the engine's: admission control counts free running slots with it."""
+    then the caller steps it with `app.state.async_engine.run_engine()` (see server/async_engine.py).
+    `max_num_seqs` must be the engine's: admission control counts free running slots with it."""
     cfg = config or ServerConfig()
     model_name: str = engine.model_name
     metrics = ServerMetrics(model_name)

@@ -4,8 +4,8 @@
 loop on another (`own_thread=False`, then `run_engine`). The reason is OpenMP: libgomp gives every thread that
 starts parallel regions its own team, and once a process holds more OpenMP threads than CPUs (the loading thread's
 team plus a second thread's) their workers stop spinning between regions and sleep, so every kernel call pays a
-futex wake-up. Measured on the 2-core machine: batch-1 decode 9.5 ms/token on the loading thread, 17 ms on
-another (docs/benchmarks.md, peers).
+futex wake-up. Measured on the 2-core machine with benchmarks/peers.py: batch-1 ITL over HTTP 17.7 ms with the
+engine on its own thread, 12.6 ms on the main one (offline batch 1: ~11 ms).
 
 The engine is not thread-safe, so everything that touches it (add, abort, step, stats) runs on its thread. The event
 loop only appends commands to two deques and sets an event; the engine thread drains them between steps, so an abort
