@@ -36,7 +36,7 @@ class ModelRunner:
         self.packed_weight_bytes = pack_linears(model) if pack_weights else 0
         self.kv_cache = allocate_kv_cache(model.model.layers, num_blocks, block_size, kv_dtype, device)
         # Small decode steps in one C++ call where every layer has the kernels for it (models/llama.py).
-        self.decode_plan = model.model.build_decode_plan()
+        model.model.build_decode_plan()
 
     @property
     def kv_cache_bytes(self) -> int:

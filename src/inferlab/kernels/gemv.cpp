@@ -73,6 +73,20 @@ void for_each_tile(int64_t N, int64_t row_bytes, const void* w, const Rows& rows
   });
 }
 
+// Runs tile(m0, MB) over the step's tokens in blocks of up to 4, MB a compile-time constant (the register tiles
+// need it); a tile's weight rows stay in L1 between blocks.
+template <typename Tile>
+void for_each_token_block(int64_t M, const Tile& tile) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: tile(m0, std::integral_constant<int, 1>()); break;
+      case 2: tile(m0, std::integral_constant<int, 2>()); break;
+      case 3: tile(m0, std::integral_constant<int, 3>()); break;
+      default: tile(m0, std::integral_constant<int, 4>()); break;
+    }
+  }
+}
+
 inline float fp16_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // The activations [M, K] in fp32, for the int8 kernel.
@@ -136,22 +150,16 @@ void int8_tile_any(const float* x, int64_t K, const int8_t* w, float* out) {
 #endif
 }
 
-// y[m, n0 + n] for a tile: tokens in blocks of up to 4 (the weight rows stay in L1 between blocks).
+// y[m, n0 + n] for a tile of NB rows.
 template <int NB, typename T, typename S>
 void int8_rows(const float* xf, int64_t M, int64_t K, const int8_t* w, const S* scale, T* y, int64_t N, int64_t n0) {
   float out[4 * NB];
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mb = std::min<int64_t>(4, M - m0);
-    const float* xm = xf + m0 * K;
-    switch (mb) {
-      case 1: int8_tile_any<1, NB>(xm, K, w, out); break;
-      case 2: int8_tile_any<2, NB>(xm, K, w, out); break;
-      case 3: int8_tile_any<3, NB>(xm, K, w, out); break;
-      default: int8_tile_any<4, NB>(xm, K, w, out); break;
-    }
-    for (int64_t m = 0; m < mb; ++m)
+  for_each_token_block(M, [&](int64_t m0, auto mb) {
+    constexpr int MB = decltype(mb)::value;
+    int8_tile_any<MB, NB>(xf + m0 * K, K, w, out);
+    for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n) store(y, (m0 + m) * N + n0 + n, out[m * NB + n] * load(scale, n0 + n));
-  }
+  });
 }
 
 template <typename T, typename S>
@@ -286,20 +294,14 @@ void int4_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, int6
                const uint16_t* d, const uint16_t* mn, T* y, int64_t N, int64_t n0) {
   const int64_t groups = K / G;
   float out[4 * NB];
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mb = std::min<int64_t>(4, M - m0);
-    const uint16_t* xm = xp + m0 * K;
-    switch (mb) {
-      case 1: int4_tile_any<1, NB>(xm, K, G, w, d, out); break;
-      case 2: int4_tile_any<2, NB>(xm, K, G, w, d, out); break;
-      case 3: int4_tile_any<3, NB>(xm, K, G, w, d, out); break;
-      default: int4_tile_any<4, NB>(xm, K, G, w, d, out); break;
-    }
-    for (int64_t m = 0; m < mb; ++m)
+  for_each_token_block(M, [&](int64_t m0, auto mb) {
+    constexpr int MB = decltype(mb)::value;
+    int4_tile_any<MB, NB>(xp + m0 * K, K, G, w, d, out);
+    for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n)
         store(y, (m0 + m) * N + n0 + n,
               out[m * NB + n] + int4_offsets(d + n * groups, mn + n * groups, xsum + (m0 + m) * groups, groups));
-  }
+  });
 }
 
 template <typename T>
@@ -355,18 +357,12 @@ void bf16_tile_any(const uint16_t* x, int64_t K, const uint16_t* w, float* out) 
 template <int NB>
 void bf16_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, at::BFloat16* y, int64_t N, int64_t n0) {
   float out[4 * NB];
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mb = std::min<int64_t>(4, M - m0);
-    const uint16_t* xm = x + m0 * K;
-    switch (mb) {
-      case 1: bf16_tile_any<1, NB>(xm, K, w, out); break;
-      case 2: bf16_tile_any<2, NB>(xm, K, w, out); break;
-      case 3: bf16_tile_any<3, NB>(xm, K, w, out); break;
-      default: bf16_tile_any<4, NB>(xm, K, w, out); break;
-    }
-    for (int64_t m = 0; m < mb; ++m)
+  for_each_token_block(M, [&](int64_t m0, auto mb) {
+    constexpr int MB = decltype(mb)::value;
+    bf16_tile_any<MB, NB>(x + m0 * K, K, w, out);
+    for (int m = 0; m < MB; ++m)
       for (int n = 0; n < NB; ++n) y[(m0 + m) * N + n0 + n] = static_cast<at::BFloat16>(out[m * NB + n]);
-  }
+  });
 }
 
 }  // namespace
