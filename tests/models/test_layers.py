@@ -77,15 +77,41 @@ def test_decode_attention_matches_dense_reference(backend, batch, dtype):
         assert torch.allclose(out[i].double(), ref, atol=tol, rtol=tol), (i, (out[i].double() - ref).abs().max())
 
 
-def test_decode_kernel_is_batch_invariant():
+@pytest.mark.parametrize("dim, group, block_size", [(64, 3, 16), (64, 1, 8), (128, 4, 32), (256, 2, 16)])
+def test_decode_kernel_at_model_head_sizes(dim, group, block_size):
+    """The kernel's vectorised bf16 path (head sizes 64/128/256; tiles of 16 keys inside blocks of 8-32) against
+    float64 attention over the same bf16 values, with lengths that end mid-tile and mid-block."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernel could not be built here")
+    torch.manual_seed(dim + group)
+    kv_heads, blocks = 2, 48
+    k = torch.randn(kv_heads, blocks, block_size, dim).to(torch.bfloat16)
+    v = torch.randn(kv_heads, blocks, block_size, dim).to(torch.bfloat16)
+    lens = torch.tensor([1, 15, 16, 17, 40, 100])
+    nblk = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(blocks)[:nblk] for _ in lens])
+    q = (2 * torch.randn(len(lens), kv_heads * group, dim)).to(torch.bfloat16)
+    out = kernels.paged_decode_attention(q, k, v, tables, lens, dim**-0.5)
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        keys = k[:, tables[i, pos // block_size], pos % block_size].double()  # [kv_heads, n, dim]
+        vals = v[:, tables[i, pos // block_size], pos % block_size].double()
+        qi = q[i].double().view(kv_heads, group, dim)
+        ref = ((qi @ keys.transpose(1, 2)) * dim**-0.5).softmax(-1) @ vals
+        assert torch.allclose(out[i].double().view_as(ref), ref, atol=1e-2, rtol=1e-2), (i, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_is_batch_invariant(dtype):
     """A sequence's attention output is bit-identical alone and among others (each (sequence, KV head) pair does
     the same arithmetic whatever shares the batch)."""
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("the CPU kernel could not be built here")
     torch.manual_seed(0)
-    k, v = torch.randn(KV_HEADS, BLOCKS, BS, DIM), torch.randn(KV_HEADS, BLOCKS, BS, DIM)
-    q = torch.randn(8, HEADS, DIM)
+    k, v = torch.randn(KV_HEADS, BLOCKS, BS, DIM).to(dtype), torch.randn(KV_HEADS, BLOCKS, BS, DIM).to(dtype)
+    q = torch.randn(8, HEADS, DIM).to(dtype)
     tables = torch.randint(0, BLOCKS, (8, 10))
     lens = torch.randint(1, 41, (8,))
     together = kernels.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5)
