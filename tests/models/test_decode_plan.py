@@ -1,5 +1,6 @@
-"""The one-call path for small decode steps (kernels/decode_layers.cpp) computes exactly what the layers compute one
-by one: same kernels, same order, so greedy generations are token-for-token identical with it and without it."""
+"""The one-call path for decode steps (kernels/decode_layers.cpp) computes exactly what the layers compute one by
+one: same kernels, same order, so greedy generations are token-for-token identical with it and without it, for
+steps inferlab's gemv takes (1-4 tokens) and for larger ones that use the packed weights."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(gemv_kernels() is None, reason="the plan needs inferlab's AVX-512 BF16 kernels")]
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a quiet village,"]
+MORE = ["The three primary colours are", "import numpy as np\n", "Dear Sir or Madam,", "In 1969, the first"]
 
 
 def _generate(llm: LLM) -> list[list[int]]:
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    wide = [o.token_ids for o in llm.generate(PROMPTS + MORE, sp)]  # decode steps of 7 tokens: packed weights
     together = [o.token_ids for o in llm.generate(PROMPTS, sp)]  # decode steps of 3 tokens
     alone = [llm.generate([p], sp)[0].token_ids for p in PROMPTS]  # decode steps of 1
-    return together + alone
+    return wide + together + alone
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
@@ -30,7 +33,7 @@ def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
     real = kernels.decode_layers
     monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
     with_plan = _generate(llm)
-    assert set(calls) == {1, 3}  # the plan really served the decode steps, batched and alone
+    assert set(calls) == {1, 3, 7}  # the plan really served the decode steps, wide, batched and alone
     plan, model.decode_plan = model.decode_plan, None
     calls.clear()
     without = _generate(llm)

@@ -24,7 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("a", &PlanLinear::a)
       .def_readwrite("b", &PlanLinear::b)
       .def_readwrite("c", &PlanLinear::c)
-      .def_readwrite("group", &PlanLinear::group);
+      .def_readwrite("group", &PlanLinear::group)
+      .def_readwrite("kernel_max_tokens", &PlanLinear::kernel_max_tokens)
+      .def_readwrite("packed", &PlanLinear::packed);
   pybind11::class_<PlanLayer>(m, "PlanLayer")
       .def(pybind11::init<>())
       .def_readwrite("input_norm", &PlanLayer::input_norm)
@@ -42,5 +44,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scale", &DecodePlan::scale)
       .def_readwrite("heads", &DecodePlan::heads)
       .def_readwrite("kv_heads", &DecodePlan::kv_heads);
-  m.def("decode_layers", &decode_layers, "all decoder layers of a small decode step (CPU)", nogil);
+  m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)", nogil);
 }

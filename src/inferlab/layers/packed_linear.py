@@ -57,13 +57,13 @@ class PackedLinear(nn.Module):
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def plan_linear(self, max_tokens: int):
-        """This projection for kernels/decode_layers.cpp (kind 0: the bf16 weight), or None unless forward() would
-        use the same kernel for every step of up to `max_tokens` rows."""
-        if self.kernels is None or max_tokens > KERNEL_MAX_ROWS:
+    def plan_linear(self):
+        """This projection for kernels/decode_layers.cpp, which runs it as forward() does: the bf16 gemv up to
+        KERNEL_MAX_ROWS rows, the packed weight beyond. None where inferlab's gemv is not built."""
+        if self.kernels is None:
             return None
         p = self.kernels.PlanLinear()
-        p.kind, p.a = 0, self.weight.detach()
+        p.kind, p.a, p.kernel_max_tokens, p.packed = 0, self.weight.detach(), KERNEL_MAX_ROWS, self.packed
         return p
 
     def extra_repr(self) -> str:

@@ -75,11 +75,6 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# Decode-only steps of up to this many tokens run every layer in one C++ call (kernels/decode_layers.cpp) when the
-# model has a decode plan: the same kernels, in the same order, as the layers below call one by one at that size.
-DECODE_PLAN_MAX_TOKENS = 4
-
-
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -88,13 +83,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.decode_plan = None  # see build_decode_plan
+        self.decode_plan_max_tokens = 0
 
     def forward(self, input_ids, positions, meta, num_layers: int | None = None):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         g = meta.decode
         if (self.decode_plan is not None and num_layers is None and meta.extend is None and g is not None
-                and x.shape[0] == meta.num_decode_tokens == meta.slot_mapping.shape[0] <= DECODE_PLAN_MAX_TOKENS
+                and x.shape[0] == meta.num_decode_tokens == meta.slot_mapping.shape[0] <= self.decode_plan_max_tokens
                 and g.context_lens is not None):
             x, residual = cpu_kernels().decode_layers(self.decode_plan, x, cos, sin, meta.slot_mapping,
                                                       g.block_tables, g.context_lens)
@@ -106,10 +102,13 @@ class LlamaModel(nn.Module):
         return x
 
     def build_decode_plan(self) -> bool:
-        """Prepare the one-call path for small decode steps, where every projection has a small-step kernel of
-        inferlab's own and the activations, norms and KV pool are one dtype the kernels take (bf16 on the CPU).
+        """Prepare the one-call path for decode-only steps (kernels/decode_layers.cpp): every layer in one C++
+        call, running the same kernels in the same order as the layers below would at that step size. It applies
+        where every projection has a kernel of inferlab's own for small steps and the activations, norms and KV
+        pool are one dtype the kernels take (bf16 on the CPU); steps past a projection's kernel need its packed
+        weight, so the plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed weights).
         Call after the KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
-        self.decode_plan = None
+        self.decode_plan, self.decode_plan_max_tokens = None, 0
         kernels = cpu_kernels()
         first = self.layers[0]
         if kernels is None or first.self_attn.attn.k_cache.numel() == 0:
@@ -117,13 +116,16 @@ class LlamaModel(nn.Module):
         if kernels_for(first.self_attn.attn.k_cache, first.input_layernorm.weight) is None \
                 or first.input_layernorm.weight.dtype != torch.bfloat16:
             return False
-        layers = []
+        layers, max_tokens = [], 1 << 62
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
-            projs = [m.plan_linear(DECODE_PLAN_MAX_TOKENS) if hasattr(m, "plan_linear") else None
+            projs = [m.plan_linear() if hasattr(m, "plan_linear") else None
                      for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
                 return False
+            for p in projs:
+                if p.packed is None:
+                    max_tokens = min(max_tokens, p.kernel_max_tokens)
             p = kernels.PlanLayer()
             p.input_norm = layer.input_layernorm.weight.detach()
             p.post_norm = layer.post_attention_layernorm.weight.detach()
@@ -135,7 +137,7 @@ class LlamaModel(nn.Module):
         plan.eps = self.layers[0].input_layernorm.eps
         plan.scale = first.self_attn.attn.scale
         plan.heads, plan.kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
-        self.decode_plan = plan
+        self.decode_plan, self.decode_plan_max_tokens = plan, max_tokens
         return True
 
 

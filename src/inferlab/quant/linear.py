@@ -98,16 +98,19 @@ class QuantLinear(nn.Module):
     def device(self) -> torch.device:
         return next(self.buffers()).device
 
-    def plan_linear(self, max_tokens: int):
-        """This projection for kernels/decode_layers.cpp, or None unless forward() would use inferlab's own kernel
-        for every step of up to `max_tokens` tokens."""
+    def plan_linear(self):
+        """This projection for kernels/decode_layers.cpp, which runs it as forward() does: inferlab's kernel up to
+        kernel_token_limit() tokens, the packed copy (where there is one) beyond. None without inferlab's kernel."""
         from inferlab.kernels import gemv_kernels
 
         kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
-        if kernels is None or kernels is not gemv_kernels() or self.kernel_token_limit() < max_tokens:
+        if kernels is None or kernels is not gemv_kernels():
             return None
         p = kernels.PlanLinear()
         self._plan_fields(p)
+        p.kernel_max_tokens = self.kernel_token_limit()
+        if self.packed is not None:
+            p.packed = self.packed
         return p
 
     def _plan_fields(self, p) -> None:
