@@ -188,6 +188,20 @@ def test_fused_norm_and_swiglu_round_like_the_unfused_ops(dtype, rows):
     assert torch.equal(alone[0], normed[0])  # rows never depend on each other: batch-invariant
 
 
+def test_fused_swiglu_rounds_like_torch_for_every_bf16_input():
+    """SiLU of a bf16 value is a function of 65,536 inputs: the kernel's (a vectorised exp where built) equals torch's
+    F.silu on every one of them, bit for bit, NaNs and subnormals included. The product with `up` is then exact
+    in fp32 and rounds once, so SiLU(gate) * up is bit-identical for any input."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    out = kernels.silu_mul(torch.cat([gate, torch.ones_like(gate)]).view(1, -1))[0]
+    ref = F.silu(gate)
+    same = (out.view(torch.int16) == ref.view(torch.int16)) | (out.isnan() & ref.isnan())
+    assert same.all(), gate[~same][:8]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rotary_kv_write_matches_rotary_then_store(dtype):
     """Q/K rotated as apply_rotary rotates them (bit-identical in bf16), and K/V stored at exactly their slots;

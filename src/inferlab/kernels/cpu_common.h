@@ -6,6 +6,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define INFERLAB_AVX512_BF16 1
+#include <immintrin.h>
+#endif
+
 namespace inferlab {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
@@ -23,5 +28,51 @@ inline float round_to(float v, const at::BFloat16*) { return static_cast<float>(
 
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(at::BFloat16* p, int64_t i, float v) { p[i] = static_cast<at::BFloat16>(v); }
+
+#if defined(INFERLAB_AVX512_BF16)
+// exp(x) for 16 floats (Cephes' expf: Cody-Waite reduction by ln 2, a degree-6 polynomial, 2^n by vscalefps), within
+// ~2 ulp, instead of one glibc expf call per value. Inputs below -87.3 give ~0, as exp does; above ~88.7, inf
+// (the clamp at 89 keeps the reduction exact for huge inputs).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(89.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Up to 16 bf16 values (the lanes in `mask`) widened to fp32; the others read as 0.
+inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 mask = 0xFFFF) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+// The bf16 bits of 16 floats, rounded to nearest even exactly as at::BFloat16 rounds (subnormals kept, NaN to
+// 0x7FC0); vcvtneps2bf16 would flush subnormals to zero.
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+// Rounded to bf16, stored in the lanes in `mask`.
+inline void store_bf16x16(at::BFloat16* p, __m512 v, __mmask16 mask = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+
+// Rounded to bf16 and back: where a separate bf16 op would round.
+inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+#endif
 
 }  // namespace inferlab

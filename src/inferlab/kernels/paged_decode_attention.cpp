@@ -17,39 +17,24 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-#if defined(__AVX512F__)
-// exp(x) for 16 floats (Cephes' expf: Cody-Waite reduction by ln 2, a degree-6 polynomial, 2^n by vscalefps), within
-// ~2 ulp, instead of one glibc expf call per score. Inputs below -87.3 give ~0, as exp does.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+#if defined(INFERLAB_AVX512_BF16)
+using inferlab::exp16;
+using inferlab::first_lanes;
 #endif
+using inferlab::load;
+using inferlab::round_to;
+using inferlab::store;
 
 // s[j] = exp(s[j] - max) for j < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float max) {
-#if defined(__AVX512F__)
+#if defined(INFERLAB_AVX512_BF16)
   __m512 sum = _mm512_setzero_ps();
   const __m512 mv = _mm512_set1_ps(max);
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 mask = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 mask = first_lanes(n - j);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), mv));
     _mm512_mask_storeu_ps(s + j, mask, e);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
@@ -64,10 +49,6 @@ inline float exp_shifted(float* s, int64_t n, float max) {
   return sum;
 #endif
 }
-
-using inferlab::load;
-using inferlab::round_to;
-using inferlab::store;
 
 constexpr int64_t kPrefetchBlocks = 4;
 
@@ -143,7 +124,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(INFERLAB_AVX512_BF16)
 // The bf16 path, written for the ~20 GB/s the pool can be read at: up to 16 keys of a block are one tile. Scores:
 // vdpbf16ps of the bf16 query against each key row (exact products, fp32 sums), the 16 row vectors summed across
 // their lanes by one shuffle tree (30 shuffles for 16 dot products instead of a horizontal sum each); softmax in
@@ -210,7 +191,7 @@ void decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, cons
           const int64_t n = std::min({kTile, BS - t0, len - start - t0});
           const uint16_t* kt = kc + base + t0 * D;
           const uint16_t* vt = vc + base + t0 * D;
-          const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+          const __mmask16 valid = first_lanes(n);
           float corr[G];
           for (int64_t g = 0; g < G; ++g) {
             __m512 part[kTile];
@@ -317,7 +298,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
   if (q.scalar_type() == torch::kBFloat16) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(INFERLAB_AVX512_BF16)
     if (decode_bf16_simd(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
                          v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int64_t>(),
                          context_lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, N, BS, D,
