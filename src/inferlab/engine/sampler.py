@@ -1,7 +1,12 @@
 """Batched sampling: temperature, top-k and top-p for the whole batch in a few tensor ops.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1) is a draw from p), so a seeded request draws
-its noise from its own generator and gets the same tokens whatever else shares the batch.
+A row is drawn by inverting its CDF with one uniform number, which a seeded request takes from its own generator,
+so it gets the same tokens whatever else shares the batch. The exponential race (argmax of p / E, E ~ Exp(1)) that
+this replaced needs a random number per vocabulary entry: torch's exponential_ took 15 ms for 16 rows of SmolLM2's
+49,152 logits, half as long as the model's step, and 60 ms for 64; the CDF costs a cumsum (0.4 / 1.5 ms). The
+cumsum accumulates in double and rounds each entry to fp32 once, so a token's drawn mass is its probability within
+~6e-8 (tokens below that are drawn at most that often). Speculative verification still uses the race
+(spec/verify.py), where the residual draws are few.
 """
 
 from __future__ import annotations
@@ -46,15 +51,27 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
     return q
 
 
+def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of probs [N, V] (non-negative; rows need not sum to 1; zero entries are never drawn):
+    the first token whose cumulative mass reaches u * total, u uniform in (0, 1]."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], device=probs.device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, generator=g, device=probs.device)
+    target = (1 - u).mul_(cdf[:, -1])  # in (0, total]: never lands on a leading run of zero-probability tokens
+    return torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
         """logits: [N, V] float32 -> sampled token ids [N]."""
-        greedy = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return greedy
-        probs = sampling_probs(logits, params)
-        q = exponential_noise(tuple(probs.shape), generators, probs.device)
-        sampled = probs.div_(q).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return torch.where(is_greedy, greedy, sampled)
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        sampled = sample_from(sampling_probs(logits, params), generators)
+        if not any(greedy):
+            return sampled
+        is_greedy = torch.tensor(greedy, device=logits.device)
+        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)

@@ -1,0 +1,67 @@
+"""The sampler's draws against the distribution they should follow: softmax(logits / T) cut to top-k / top-p, as
+computed independently here in float64."""
+
+from __future__ import annotations
+
+import torch
+
+from inferlab.engine.sampler import Sampler, sample_from
+from inferlab.engine.sampling_params import SamplingParams
+
+N = 40_000
+
+
+def _frequencies(tokens: torch.Tensor, V: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=V).double() / tokens.numel()
+
+
+def _assert_follows(freq: torch.Tensor, p: torch.Tensor, n: int = N) -> None:
+    """Every token within 5 standard errors of its probability over n draws (a false alarm about once in 10^5
+    runs)."""
+    se = (p * (1 - p) / n).sqrt()
+    assert ((freq - p).abs() <= 5 * se + 1e-12).all(), (freq, p)
+
+
+def test_draws_follow_the_tempered_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    for temperature in (1.0, 0.7, 1.5):
+        params = [SamplingParams(temperature=temperature)] * N
+        tokens = Sampler()(logits.expand(N, -1).clone(), params, [None] * N)
+        _assert_follows(_frequencies(tokens, 6), (logits.double() / temperature).softmax(-1))
+
+
+def test_top_k_and_top_p_cut_the_tail_and_renormalise():
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
+    p = logits.double().softmax(-1)  # 0.43, 0.26, 0.16, 0.06, 0.02, 0.01 (rounded)
+    tokens = Sampler()(logits.expand(N, -1).clone(), [SamplingParams(top_k=2)] * N, [None] * N)
+    _assert_follows(_frequencies(tokens, 6), torch.cat([p[:2] / p[:2].sum(), torch.zeros(4, dtype=p.dtype)]))
+    # top_p = 0.8: keep tokens while the mass before them is below 0.8, i.e. the first three (0.43 + 0.26 < 0.8).
+    tokens = Sampler()(logits.expand(N, -1).clone(), [SamplingParams(top_p=0.8)] * N, [None] * N)
+    _assert_follows(_frequencies(tokens, 6), torch.cat([p[:3] / p[:3].sum(), torch.zeros(3, dtype=p.dtype)]))
+
+
+def test_zero_probability_tokens_are_never_drawn():
+    probs = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 2.0], [5.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    tokens = sample_from(probs.repeat(N // 3, 1), [None] * (N // 3 * 3)).view(-1, 3)
+    assert set(tokens[:, 0].tolist()) == {2, 4} and set(tokens[:, 1].tolist()) == {5} and set(tokens[:, 2].tolist()) == {0}
+
+
+def test_seeded_rows_draw_the_same_whatever_shares_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 1000)
+    params = [SamplingParams(temperature=1.0, seed=7)] + [SamplingParams(temperature=1.0)] * 7
+
+    def gens(n):
+        return [torch.Generator().manual_seed(7)] + [None] * (n - 1)
+
+    alone = Sampler()(logits[:1], params[:1], gens(1))
+    together = Sampler()(logits, params, gens(8))
+    assert alone[0] == together[0]
+
+
+def test_greedy_and_sampled_rows_mix():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 0.0, 0.0]]).repeat(N // 2, 1)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * (N // 2)
+    tokens = Sampler()(logits, params, [None] * N).view(-1, 2)
+    assert (tokens[:, 0] == 1).all()
+    _assert_follows(_frequencies(tokens[:, 1], 3), torch.full((3,), 1 / 3, dtype=torch.double), N // 2)
