@@ -13,6 +13,7 @@ from inferlab.engine.detokenizer import Detokenizer
 from inferlab.engine.errors import InvalidRequestError
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from inferlab.engine.host_malloc import keep_step_buffers
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
@@ -62,6 +63,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_step_buffers()
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.quantization, config.quant_group_size)
         self.model_config = cfg = loaded.config
