@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
 from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.config import EngineConfig
 from inferlab.engine.outputs import RequestMetrics
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import Scheduler
@@ -39,6 +44,25 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes():
     b4 = run_step(sched)
     assert b4.num_new_tokens == [1, 24]
     assert big.num_computed_tokens == 150 and big.num_output_tokens == 1
+
+
+def test_prefill_beside_decodes_is_capped_but_not_when_alone():
+    """max_prefill_tokens_with_decodes bounds the prefill a step carries while anyone decodes (their inter-token
+    latency); with nothing decoding a prefill may use the whole step budget."""
+    sched = Scheduler(BlockManager(100, 16, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=64,
+                      max_prefill_tokens_with_decodes=20)
+    a, b = seq("a", 50), seq("b", 40, start=500)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched).num_new_tokens == [50, 14]  # nobody decodes yet: the full 64
+    step = run_step(sched)  # a decodes; b's remaining 26 prompt tokens are cut to 20
+    assert [s.request_id for s in step.seqs] == ["a", "b"] and step.num_new_tokens == [1, 20]
+    c = seq("c", 30, start=900)
+    sched.add(c)
+    step = run_step(sched)  # the cap is shared: b's last 6, then c gets 14
+    assert [s.request_id for s in step.seqs] == ["a", "b", "c"] and step.num_new_tokens == [1, 6, 14]
+    step = run_step(sched)  # a and b decode, c's remaining 16 fit under the cap
+    assert step.num_new_tokens == [1, 1, 16] and step.num_decodes == 2
 
 
 def test_admission_respects_max_num_seqs_and_budget():
@@ -86,3 +110,15 @@ def test_finish_from_waiting_and_running():
     sched.finish(b)  # still waiting
     sched.finish(a)  # running
     assert not sched.has_work() and sched.bm.num_free_blocks == 10
+
+
+def test_engine_config_names_a_bad_budget():
+    with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes must be at least 1"):
+        EngineConfig(max_prefill_tokens_with_decodes=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 1"):
+        EngineConfig(max_num_batched_tokens=0)
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    for text, want in (("64", 64), ("none", None)):
+        args = parser.parse_args(["--max-prefill-tokens-with-decodes", text])
+        assert EngineConfig.from_cli_args(args).max_prefill_tokens_with_decodes == want

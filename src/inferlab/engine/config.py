@@ -15,6 +15,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None = a share of free memory, capped
     max_num_seqs: int = 64  # running sequences per step
     max_num_batched_tokens: int = 512  # tokens (prefill chunks + decodes) per step
+    # prefill tokens a step may add beside decodes (bounds inter-token latency); None = up to the step budget
+    max_prefill_tokens_with_decodes: int | None = None
     max_model_len: int | None = None  # None = the model's context length
     enable_prefix_caching: bool = True
     quantization: str = "none"  # none | int8 | int4
@@ -30,6 +32,14 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prefill_tokens_with_decodes must be at least 1 (or None for no cap), got {cap}")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -43,6 +53,9 @@ class EngineConfig:
         g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV pool size, e.g. 512MiB or 2GB")
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--max-num-batched-tokens", type=int, default=512)
+        g.add_argument("--max-prefill-tokens-with-decodes", type=_optional_int, default=None,
+                       help="prefill tokens a step may carry beside running decodes: bounds their inter-token "
+                            "latency while new prompts are prefilled ('none' = up to --max-num-batched-tokens)")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
         g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
@@ -62,6 +75,10 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() == "none" else int(text)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -88,7 +88,8 @@ class LLMEngine:
             self.max_model_len = num_blocks * bs
             self.max_len_reason = f"the KV cache pool ({num_blocks} blocks of {bs} tokens)"
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_tokens_with_decodes)
         self.runner = ModelRunner(loaded.model, num_blocks, bs, self.dtype, self.device, config.pack_weights)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)

@@ -5,6 +5,12 @@ Each step has a token budget. Running sequences are served first, in admission o
 grow a sequence, the most recently admitted running sequence is preempted (its blocks freed, its tokens recomputed
 later; the prefix cache usually makes that cheap). Waiting sequences are admitted in arrival order while blocks,
 budget and the sequence limit allow, and never in a step that had to preempt.
+
+While any sequence decodes, the prefill tokens of a step can be capped apart (max_prefill_tokens_with_decodes):
+every decoding request waits for the whole step, so a 512-token chunk beside 16 decodes is a ~300 ms gap in all
+16 streams on a 2-core CPU. The cap trades that for throughput: measured at 16 streams of 128 + 128 tokens,
+ITL p99 349 -> 95 ms and output 405 -> 364 tok/s with a cap of 64 (small chunks use the GEMMs less well). Off by
+default, as in vLLM, whose step budget is likewise shared by decodes and chunks.
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_tokens_with_decodes: int | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prefill tokens a step may carry beside decodes (None: up to the step budget). Every decoding request
+        # waits for the whole step, so this bounds their inter-token latency while new prompts stream in.
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -51,15 +61,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
+        cap = self.max_prefill_tokens_with_decodes
+        prefill_budget = cap if cap is not None and any(_decoding(s) for s in self.running) else budget
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if not _decoding(seq) and prefill_budget <= 0:
+                i += 1
+                continue
             wanted = seq.num_tokens + len(seq.spec_token_ids) - seq.num_computed_tokens
             if seq.spec_token_ids and wanted > budget:
                 seq.spec_token_ids = []  # not enough budget to verify: plain decode this step
                 wanted = seq.num_tokens - seq.num_computed_tokens
-            n = min(wanted, budget)
+            n = min(wanted, budget) if _decoding(seq) else min(wanted, budget, prefill_budget)
             while not self.bm.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -69,13 +84,16 @@ class Scheduler:
             else:
                 chosen.append((seq, n))
                 budget -= n
+                if not _decoding(seq):
+                    prefill_budget -= n
                 i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        while (self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs
+               and not preempted):
             seq = self.waiting[0]
             cached = self.bm.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget)
+            n = min(seq.num_tokens - num_cached, budget, prefill_budget)
             if not self.bm.allocate(seq, num_cached + n, cached):
                 break
             self.waiting.popleft()
@@ -89,6 +107,7 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, n))
             budget -= n
+            prefill_budget -= n
 
         chosen.sort(key=lambda sn: sn[1] != 1)  # stable: decodes first, then chunks, each in admission order
         return ScheduledBatch(
@@ -118,3 +137,8 @@ class Scheduler:
                 pass
         seq.status = SequenceStatus.FINISHED
         self.bm.free(seq)
+
+
+def _decoding(seq: Sequence) -> bool:
+    """Past its prompt: generating (a preempted sequence recomputing its tokens counts as prefilling)."""
+    return seq.num_computed_tokens >= seq.num_tokens - 1

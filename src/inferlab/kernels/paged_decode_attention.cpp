@@ -23,6 +23,7 @@ namespace {
 #if defined(INFERLAB_AVX512_BF16)
 using inferlab::exp16;
 using inferlab::first_lanes;
+using inferlab::sum_lanes_of_16;
 #endif
 using inferlab::load;
 using inferlab::round_to;
@@ -132,22 +133,6 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
 // 192 tokens, 30 layers, blocks scattered over the pool: 11.0 ms with the generic loop above (6.4 GB/s), 7.2-9.0
 // here; with the pool in cache 2.4 ms, so the rest is waiting on memory (measured, /tmp harness, not committed).
 constexpr int64_t kTile = 16;
-
-// Lane i of the result is the sum of the 16 lanes of v[kTreeRow[i]]; kTreeRow is its own inverse (a 4x4 transpose).
-inline __m512 sum_lanes_of_16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(row_order, z);
-}
 
 inline __m512 bf16x16_to_fp32(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(

@@ -80,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
     from inferlab.engine.errors import ModelLoadError
 
-    engine_config = EngineConfig.from_cli_args(args)
+    try:
+        engine_config = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        print(f"inferlab serve: {e}", file=sys.stderr)
+        return 2
     try:
         engine = LLMEngine(engine_config)
     except (ModelLoadError, FileNotFoundError) as e:
