@@ -3,10 +3,11 @@
     python benchmarks/linear_kernels.py [--rows 1 2 4 8 16 64 256]
 
 Multiplies a batch of `rows` activations by every weight of SmolLM2-135M's 30 layers (fused QKV, O, gate/up,
-down; random values, real shapes: 212 MB in bf16, far more than the caches) with three paths:
+down; random values, real shapes: 212 MB in bf16, far more than the caches) with four paths:
   F.linear           what nn.Linear does: oneDNN's bf16 GEMM
   gemv (no oneDNN)   F.linear with oneDNN switched off: torch's own kernel, a matrix-vector product per row
-  packed             oneDNN with the weight reordered ahead of time (what layers/packed_linear.py keeps)
+  oneDNN packed      oneDNN with the weight reordered ahead of time (layers/packed_linear.py's fallback)
+  inferlab packed    inferlab's layout and kernel (kernels/packed_gemm.cpp; what the layers use where it is built)
 and prints milliseconds per pass and the weight bytes read per second.
 """
 
@@ -17,6 +18,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from inferlab.kernels import gemv_kernels
+from inferlab.layers.packed_linear import pack_bf16
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's four matmuls
 
@@ -39,9 +43,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=g).bfloat16() for o, i in SHAPES] for _ in range(args.layers)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
+    kernels = gemv_kernels()
+    ours = [[pack_bf16(w) for w in layer] for layer in weights] if kernels is not None else None
     nbytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {nbytes / 1e6:.0f} MB of bf16 weights")
-    print(f"{'rows':>5} {'F.linear ms':>12} {'gemv ms':>9} {'packed ms':>10}   GB/s: linear / gemv / packed")
+    print(f"{'rows':>5} {'F.linear ms':>12} {'gemv ms':>9} {'oneDNN packed':>14} {'inferlab packed':>16}   "
+          "GB/s: linear / gemv / oneDNN / inferlab")
     for m in args.rows:
         xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}
 
@@ -62,8 +69,13 @@ def main() -> None:
                 for w, p in zip(layer, players):
                     torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
 
-        t = [best_of(f) for f in (linear, gemv, pack)]
-        print(f"{m:>5} {t[0] * 1e3:>12.2f} {t[1] * 1e3:>9.2f} {t[2] * 1e3:>10.2f}   "
+        def inferlab():
+            for layer, players in zip(weights, ours):
+                for w, p in zip(layer, players):
+                    kernels.packed_linear(xs[w.shape[1]], p, w.shape[0])
+
+        t = [best_of(f) for f in (linear, gemv, pack)] + ([best_of(inferlab)] if ours is not None else [float("nan")])
+        print(f"{m:>5} {t[0] * 1e3:>12.2f} {t[1] * 1e3:>9.2f} {t[2] * 1e3:>14.2f} {t[3] * 1e3:>16.2f}   "
               + " / ".join(f"{nbytes / x / 1e9:.1f}" for x in t), flush=True)
 
 

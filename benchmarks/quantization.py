@@ -58,7 +58,7 @@ def kernel_candidates(k: int, n: int) -> tuple[dict, int]:
             for _ in range(copies)]
     for lin, w in zip(bf16, ws):
         lin.weight.copy_(w)
-        lin.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight, 64)
+        lin.repack()
     i8 = [Int8Linear.from_float(w) for w in ws]
     i4 = {g: [Int4Linear.from_float(w, g) for w in ws] for g in (32, 64)}
     q8t = [(q.qweight.t().contiguous(), q.scales.float()) for q in i8]

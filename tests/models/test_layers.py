@@ -11,7 +11,7 @@ from torch import nn
 from inferlab.kernels import cpu_kernels, gemv_kernels
 from inferlab.layers import attention as attention_mod
 from inferlab.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
-from inferlab.layers.packed_linear import PackedLinear, pack_linears, packing_available
+from inferlab.layers.packed_linear import PackedLinear, pack_bf16, pack_linears, packing_available
 
 HEADS, KV_HEADS, DIM, BS, BLOCKS = 6, 2, 16, 4, 64
 
@@ -120,8 +120,8 @@ def test_decode_kernel_is_batch_invariant(dtype):
         assert torch.equal(alone[0], together[i])
 
 
-@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 100])  # both sides of GEMV_MAX_ROWS and KERNEL_MAX_ROWS
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no packed bf16 here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 100])  # both sides of GEMV_MAX_ROWS (the oneDNN fallback)
 def test_packed_linear_equals_dense_matmul(rows):
     torch.manual_seed(0)
     lin = nn.Linear(96, 160, bias=False).to(torch.bfloat16)
@@ -134,22 +134,25 @@ def test_packed_linear_equals_dense_matmul(rows):
     assert torch.allclose(y, F.linear(x, lin.weight), atol=2e-2, rtol=1e-2)
 
 
-@pytest.mark.skipif(gemv_kernels() is None, reason="inferlab's gemv kernels need AVX-512 BF16 and a compiler")
-@pytest.mark.parametrize("k", [576, 80])  # 80: a masked tail of 16 columns
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
-def test_bf16_gemv_kernel_matches_float64(k, rows):
+@pytest.mark.skipif(gemv_kernels() is None, reason="inferlab's kernels need AVX-512 BF16 and a compiler")
+@pytest.mark.parametrize("k", [576, 80, 34])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])  # whole and partial tiles of 8 tokens
+def test_packed_gemm_matches_float64(k, rows):
     g = torch.Generator().manual_seed(k + rows)
-    w = torch.randn(203, k, generator=g).bfloat16()  # 203 outputs: a partial 4-row tile
+    w = torch.randn(203, k, generator=g).bfloat16()  # 203 outputs: an odd number of 16-row blocks, the last partial
     x = torch.randn(rows, k, generator=g).bfloat16()
-    y = gemv_kernels().bf16_linear(x, w)
+    packed = pack_bf16(w)
+    assert packed.shape == (13, k // 2, 16, 2)
+    y = gemv_kernels().packed_linear(x, packed, 203)
     ref = x.double() @ w.double().T
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 203)
     # fp32 sums rounded once to bf16: within bf16's half-ulp of the exact product (plus fp32 summation slack).
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * (x.double().abs() @ w.double().abs().T)).all()
-    assert torch.equal(gemv_kernels().bf16_linear(x[:1], w), y[:1])  # a row's result ignores the other rows
+    for r in (0, rows - 1):  # a row's result ignores the other rows
+        assert torch.equal(gemv_kernels().packed_linear(x[r:r + 1], packed, 203), y[r:r + 1])
 
 
-@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 here")
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no packed bf16 here")
 def test_pack_linears_keeps_tied_weights_and_skips_other_dtypes():
     emb = nn.Embedding(50, 32).to(torch.bfloat16)
     head = nn.Linear(32, 50, bias=False).to(torch.bfloat16)
@@ -158,7 +161,8 @@ def test_pack_linears_keeps_tied_weights_and_skips_other_dtypes():
     added = pack_linears(net)
     assert isinstance(net["head"], PackedLinear) and net["head"].weight is emb.weight
     assert type(net["f32"]) is nn.Linear  # fp32 stays on MKL's path: no packing
-    assert added == 50 * 32 * 2
+    # inferlab's layout pads the outputs to whole blocks of 16; oneDNN's keeps 50 rows.
+    assert added == (64 if gemv_kernels() is not None else 50) * 32 * 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -27,7 +27,7 @@ class EngineConfig:
     ngram_max: int = 4
     draft_model: str | None = None
     draft_layers: int | None = None
-    # CPU bf16: keep a oneDNN-packed bf16 copy of each weight, dequantized for int8/int4 (faster, more memory)
+    # CPU bf16: keep a packed bf16 copy of each weight, dequantized for int8/int4 (faster, more memory)
     pack_weights: bool = True
     num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
     seed: int = 0
@@ -67,7 +67,7 @@ class EngineConfig:
         g.add_argument("--draft-model", default=None)
         g.add_argument("--draft-layers", type=int, default=None)
         g.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
-                       help="CPU bf16: keep a oneDNN-packed bf16 copy of each weight (dequantized for int8/int4) "
+                       help="CPU bf16: keep a packed bf16 copy of each weight (dequantized for int8/int4) "
                             "for steps of many tokens (faster, more memory)")
         g.add_argument("--num-threads", type=int, default=None)
         g.add_argument("--seed", type=int, default=0)

@@ -100,7 +100,7 @@ class LLMEngine:
         self.proposer = make_proposer(config, self)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
-        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16 for oneDNN), "
+        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16), "
                  "KV pool %d blocks x %d tokens = %.1f MiB; quantization: %s", self.model_path.name, self.device, self.dtype,
                  loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20, num_blocks,
                  bs, self.runner.kv_cache_bytes / 2**20, self.quant_path)

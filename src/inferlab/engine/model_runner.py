@@ -32,7 +32,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # Extra bytes held by oneDNN-packed copies of bf16 CPU weights (see layers/packed_linear.py).
+        # Extra bytes held by packed copies of bf16 CPU weights (see layers/packed_linear.py).
         self.packed_weight_bytes = pack_linears(model) if pack_weights else 0
         self.kv_cache = allocate_kv_cache(model.model.layers, num_blocks, block_size, kv_dtype, device)
         # Small decode steps in one C++ call where every layer has the kernels for it (models/llama.py).

@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_simd", &gemv_simd, "whether the gemv kernels were built with AVX-512 BF16");
   m.def("int8_linear", &int8_linear, "x @ (q * scale).T for int8 weights, per-row scales (CPU)", nogil);
   m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)", nogil);
-  m.def("bf16_linear", &bf16_linear, "x @ w.T for bf16 weights, small steps (CPU)", nogil);
+  m.def("packed_linear", &packed_linear, "x @ w.T for a bf16 weight in inferlab's packed layout (CPU)", nogil);
   pybind11::class_<PlanLinear>(m, "PlanLinear")
       .def(pybind11::init<>())
       .def_readwrite("kind", &PlanLinear::kind)
@@ -26,7 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("c", &PlanLinear::c)
       .def_readwrite("group", &PlanLinear::group)
       .def_readwrite("kernel_max_tokens", &PlanLinear::kernel_max_tokens)
-      .def_readwrite("packed", &PlanLinear::packed);
+      .def_readwrite("packed", &PlanLinear::packed)
+      .def_readwrite("out_features", &PlanLinear::out_features);
   pybind11::class_<PlanLayer>(m, "PlanLayer")
       .def(pybind11::init<>())
       .def_readwrite("input_norm", &PlanLayer::input_norm)

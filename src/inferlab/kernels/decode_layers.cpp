@@ -5,27 +5,12 @@
 // timing the layers against the kernels inside them). Here the same kernels run in the same order with the same
 // arguments as the Python path (models/llama.py), so the result is bit-identical to it; only the glue is gone.
 // Python builds a DecodePlan once (the weights in whichever form each projection holds them, and each layer's
-// slice of the KV pool) and uses it for every decode-only step its projections can take: up to a few tokens with
-// inferlab's kernels, beyond that with the oneDNN-packed weights the Python layers use at that size. At 16
-// sequences the glue was ~3.4 ms of a 36 ms step (measured).
+// slice of the KV pool) and uses it for every decode-only step its projections can take (all of them with packed
+// weights). At 16 sequences the glue was ~3.4 ms of a 36 ms step (measured).
 
 #include "decode_layers.h"
 
 #include "kernels.h"
-
-#include <ATen/core/dispatch/Dispatcher.h>
-
-#include <vector>
-
-torch::Tensor onednn_packed_linear(const torch::Tensor& x, const torch::Tensor& packed) {
-  // The operator PackedLinear calls from Python, looked up once; boxed, as its schema's C++ types vary by release.
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x, packed, c10::IValue(), std::string("none"),
-                                 c10::List<std::optional<at::Scalar>>(), std::string("")};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
 
 // x: [T, hidden] embeddings of T decode tokens (one per sequence) -> (hidden, residual) after the last layer,
 // before the final norm (the model's own RMSNorm adds them).

@@ -8,28 +8,23 @@
 #include <tuple>
 #include <vector>
 
-// x @ W.T with a weight oneDNN has packed (torch.ops.mkldnn._reorder_linear_weight), as the Python layers run it.
-torch::Tensor onednn_packed_linear(const torch::Tensor& x, const torch::Tensor& packed);
-
-// One projection. Steps of up to kernel_max_tokens rows use inferlab's kernel: kind 0 = bf16 weight [N, K];
-// 1 = int8 (q, scales); 2 = int4 (q, d, m as int16 bits, group). Larger ones the oneDNN-packed bf16 weight.
+// One projection. Kind 0: bf16, the weight packed for packed_linear at every step size. Kinds 1 (int8: q, scales)
+// and 2 (int4: q, d, m as int16 bits, group): inferlab's kernel for steps of up to kernel_max_tokens rows, the packed
+// bf16 copy of the dequantized weight beyond (where there is one; else the plan only runs steps the kernel takes).
 struct PlanLinear {
   int64_t kind = 0;
   torch::Tensor a, b, c;
   int64_t group = 0;
   int64_t kernel_max_tokens = 0;
-  torch::Tensor packed;  // undefined: the plan only runs steps the kernel takes
+  torch::Tensor packed;
+  int64_t out_features = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (x.size(0) > kernel_max_tokens) {
+    if (kind == 0 || x.size(0) > kernel_max_tokens) {
       TORCH_CHECK(packed.defined(), "a step of ", x.size(0), " tokens is past this projection's kernel");
-      return onednn_packed_linear(x, packed);
+      return packed_linear(x, packed, out_features);
     }
-    switch (kind) {
-      case 0: return bf16_linear(x, a);
-      case 1: return int8_linear(x, a, b);
-      default: return int4_linear(x, a, b, c, group);
-    }
+    return kind == 1 ? int8_linear(x, a, b) : int4_linear(x, a, b, c, group);
   }
 };
 

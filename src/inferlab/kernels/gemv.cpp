@@ -1,4 +1,5 @@
-// Linear layers for small steps on the CPU (decode: one to a few tokens): weight-only int8 and int4, and bf16.
+// Linear layers for small steps on the CPU (decode: one to a few tokens): weight-only int8 and int4 (bf16 weights
+// have their own layout and kernel, packed_gemm.cpp).
 //
 // Why our own: torch 2.13's CPU kernels for quantized weights (aten._weight_int8pack_mm, _weight_int4pack_mm_for_cpu)
 // read the weight at ~9 GB/s for one token while torch's bf16 gemv reads at ~20-26 GB/s, so 2-4x fewer bytes bought
@@ -12,8 +13,6 @@
 //         0x4300 into its 16-bit lane (exact: 128..143 need four mantissa bits) and AVX512-BF16's vdpbf16ps
 //         multiplies pairs of them with the bf16 activations, accumulating in fp32; the offset leaves through the
 //         group's activation sum: sum_k w_k x_k = d * dot(128 + q, x) + (m - 128 d) * sum_k x_k.
-//   bf16: vdpbf16ps straight on the weight (torch's own gemv reads ~20-26 GB/s and is not used by oneDNN past 2
-//         rows; this one serves 1-4 rows alike, with the same prefetch as the quantized ones).
 //
 // A tile of NB output rows x MB tokens shares every weight load, so one pass over the weight serves the whole step.
 // Row tiles are split over the threads. Without AVX-512 (BW, BF16) at build time the scalar loops below compute
@@ -317,54 +316,6 @@ void int4_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const uin
   });
 }
 
-// ---------------------------------------------------------------------------------------------------------- bf16
-
-#if INFERLAB_GEMV_SIMD
-template <int MB, int NB>
-inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* w, float* out /*[MB][NB]*/) {
-  __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << (K - k)) - 1);
-    __m512i wv[NB];
-    for (int n = 0; n < NB; ++n) wv[n] = _mm512_maskz_loadu_epi16(mask, w + n * K + k);
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
-      for (int n = 0; n < NB; ++n) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)wv[n], xv);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m * NB + n] = _mm512_reduce_add_ps(acc[m][n]);
-}
-#endif
-
-template <int MB, int NB>
-void bf16_tile_any(const uint16_t* x, int64_t K, const uint16_t* w, float* out) {
-#if INFERLAB_GEMV_SIMD
-  bf16_tile<MB, NB>(x, K, w, out);
-#else
-  auto f = [](uint16_t b) { return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits())); };
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += f(x[m * K + k]) * f(w[n * K + k]);
-      out[m * NB + n] = s;
-    }
-#endif
-}
-
-template <int NB>
-void bf16_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, at::BFloat16* y, int64_t N, int64_t n0) {
-  float out[4 * NB];
-  for_each_token_block(M, [&](int64_t m0, auto mb) {
-    constexpr int MB = decltype(mb)::value;
-    bf16_tile_any<MB, NB>(x + m0 * K, K, w, out);
-    for (int m = 0; m < MB; ++m)
-      for (int n = 0; n < NB; ++n) y[(m0 + m) * N + n0 + n] = static_cast<at::BFloat16>(out[m * NB + n]);
-  });
-}
-
 }  // namespace
 
 bool gemv_simd() { return INFERLAB_GEMV_SIMD; }
@@ -420,22 +371,5 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
     TORCH_CHECK(x.scalar_type() == torch::kFloat, "float32 or bfloat16 only");
     int4_linear_impl(x.data_ptr<float>(), w, d, mn, y.data_ptr<float>(), M, K, N, G);
   }
-  return y;
-}
-
-// x [M, K] bf16; weight [N, K] bf16 -> y [M, N] bf16 (fp32 sums, rounded once).
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16, "bfloat16 only");
-  TORCH_CHECK(weight.is_contiguous(), "the weight must be contiguous");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  auto* yp = y.data_ptr<at::BFloat16>();
-  for_each_tile(N, K * 2, w, [&](int64_t n0, auto nb) {
-    bf16_rows<decltype(nb)::value>(xp, M, K, w + n0 * K, yp, N, n0);
-  });
   return y;
 }

@@ -1,13 +1,15 @@
-"""bf16 linear layers for the CPU, with the weight kept in the layout oneDNN's GEMM reads fastest.
+"""bf16 linear layers for the CPU, with the weight kept in a layout made for the kernel that multiplies it.
 
-Measured on the project's 2-core AVX-512 BF16 EPYC, torch 2.13, SmolLM2-135M's four layer shapes x 30 layers with
-weights out of cache (`python benchmarks/linear_kernels.py`): a weight pre-packed for oneDNN multiplies 1.25-1.6x
-faster than `F.linear` from 4 to 64 rows; for one to four rows a matrix-vector kernel reads the plain weight faster
-(inferlab's bf16 gemv, kernels/gemv.cpp, 1-4 rows; where it is not built, torch's own with oneDNN bypassed, 1-2
-rows, ~26 GB/s, twice oneDNN's rate). The layer keeps both forms, so the speed costs a second copy of
-the weights (for this model, 258 MiB more): serving trades memory for latency here, as `--no-pack-weights` undoes.
-The two kernels can round a bf16 result differently in the last bit, so bf16 outputs are not bit-identical across
-batch sizes (fp32, which the batch-invariance tests use, never takes this path: see models/llama.py,
+Where inferlab's kernels are built with AVX-512 BF16 the layout is inferlab's own (`pack_bf16`, multiplied by
+kernels/packed_gemm.cpp at every step size): measured with SmolLM2-135M's four layer shapes x 30 layers on the
+project's 2-core EPYC, it beats oneDNN's own pre-packed bf16 GEMM from 1 to 512 rows (16 rows 13-14.6 vs 15.6 ms,
+64 rows 37.5 vs 47.4) and matches the plain-layout gemv at 1-4 rows (`python benchmarks/linear_kernels.py`).
+Elsewhere it is oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`), 1.25-1.6x faster than
+`F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows. Either way the layer keeps
+the plain weight too (for state_dict and tied embeddings), so the speed costs a second copy of the weights (for
+this model, 258 MiB): serving trades memory for latency here, as `--no-pack-weights` undoes. The kernels can round
+a bf16 result differently in the last bit from torch's, so bf16 outputs are not bit-identical to the unpacked
+layer's (fp32, which the batch-invariance tests use, never takes this path: see models/llama.py,
 batch_invariant_rows).
 """
 
@@ -19,15 +21,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Steps with at most this many rows use a matrix-vector kernel: inferlab's (kernels/gemv.cpp) where it is built,
-# else torch's own for up to 2 rows.
+# Without inferlab's kernel, steps of at most this many rows use torch's gemv instead of oneDNN.
 GEMV_MAX_ROWS = 2
-KERNEL_MAX_ROWS = 4
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return device.type == "cpu" and dtype == torch.bfloat16 and (
+        _packed_kernels() is not None
+        or (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")))
+
+
+def _packed_kernels():
+    from inferlab.kernels import gemv_kernels
+
+    return gemv_kernels()
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (K even) -> inferlab's layout [ceil(N / 16), K / 2, 16, 2] in bf16: for each block of 16 outputs,
+    the weights of input pairs (k, k + 1) side by side (kernels/packed_gemm.cpp explains why). Rows past N are
+    zeros."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"inferlab's packed layout needs an even number of inputs, got {k}")
+    padded = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, -n % 16))
+    return padded.view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy a CPU bf16 layer multiplies by: inferlab's layout where its kernel runs, else oneDNN's."""
+    with torch.no_grad():
+        if _packed_kernels() is not None and weight.shape[1] % 2 == 0:
+            return pack_bf16(weight)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 64)
+
+
+def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [T, in] bf16 @ the weight `pack_weight` packed -> [T, out]."""
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return _packed_kernels().packed_linear(x, packed, out_features)
+
+
+def packed_bytes(packed: torch.Tensor) -> int:
+    return packed.numel() * packed.element_size()
 
 
 class PackedLinear(nn.Module):
@@ -38,36 +75,36 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
-        # An opaque oneDNN tensor: a plain attribute, not a buffer, so module-wide .to() and state_dict() skip it.
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 64)
-        from inferlab.kernels import gemv_kernels
+        # A plain attribute, not a buffer, so module-wide .to() and state_dict() skip it.
+        self.packed = pack_weight(self.weight)
 
-        self.kernels = gemv_kernels() if self.weight.is_contiguous() else None
+    def repack(self) -> None:
+        """Pack again after the weight was changed in place."""
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.kernels is not None and x2.shape[0] <= KERNEL_MAX_ROWS and x2.dtype == torch.bfloat16 \
-                and not x2.requires_grad:
-            y = self.kernels.bf16_linear(x2, self.weight)
-        elif x2.shape[0] <= GEMV_MAX_ROWS:
+        if x2.requires_grad or x2.dtype != torch.bfloat16:
+            y = F.linear(x2, self.weight)
+        elif self.packed.is_mkldnn and x2.shape[0] <= GEMV_MAX_ROWS:
             with _without_onednn():
                 y = F.linear(x2, self.weight)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+            y = packed_mm(x2, self.packed, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def plan_linear(self):
-        """This projection for kernels/decode_layers.cpp, which runs it as forward() does: the bf16 gemv up to
-        KERNEL_MAX_ROWS rows, the packed weight beyond. None where inferlab's gemv is not built."""
-        if self.kernels is None:
+        """This projection for kernels/decode_layers.cpp, which runs it as forward() does (kind 0: the packed
+        weight at every step size). None where inferlab's kernel does not multiply it."""
+        if self.packed.is_mkldnn:
             return None
-        p = self.kernels.PlanLinear()
-        p.kind, p.a, p.kernel_max_tokens, p.packed = 0, self.weight.detach(), KERNEL_MAX_ROWS, self.packed
+        p = _packed_kernels().PlanLinear()
+        p.kind, p.packed, p.out_features = 0, self.packed, self.out_features
         return p
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
+        kind = "oneDNN" if self.packed.is_mkldnn else "inferlab"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed for {kind}"
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -82,7 +119,7 @@ def pack_linears(model: nn.Module) -> int:
                                                                                      child.weight.dtype):
                 packed = PackedLinear(child)
                 setattr(parent, name, packed)
-                added += packed.packed.numel() * packed.packed.element_size()
+                added += packed_bytes(packed.packed)
     return added
 
 

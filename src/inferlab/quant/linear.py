@@ -6,8 +6,9 @@ dequantize in registers, so a decode token reads 2-3x fewer bytes than bf16 and 
 with the tokens in the step, while oneDNN's bf16 GEMM barely slows down until it turns compute-bound, so from a few
 tokens on the dense matmul wins (`python benchmarks/quantization.py kernels`, in docs/benchmarks.md). The dense
 path has two forms:
-  - packed (the CPU default with bf16 activations, like PackedLinear for float layers): a oneDNN-packed bf16 copy
-    of the dequantized weight, made once by `pack_dense`. The fastest for large steps; it costs a bf16 copy of the
+  - packed (the CPU default with bf16 activations, like PackedLinear for float layers): a packed bf16 copy of the
+    dequantized weight (inferlab's layout, or oneDNN's where inferlab's kernel is not built), made once by
+    `pack_dense`. The fastest for large steps; it costs a bf16 copy of the
     weights in memory, which the engine reports beside the quantized bytes. Kernel up to PACKED_MAX_KERNEL_TOKENS.
   - dequantize per step (`--no-pack-weights`, fp32 models, other devices): no second copy, so the memory saving
     stays whole; the dequantization is a fixed cost that only a larger step amortises, hence the larger
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from inferlab.layers.packed_linear import pack_weight, packed_bytes, packed_mm, packing_available
 
 # With a packed bf16 copy the kernel wins up to 4 tokens on every SmolLM2-135M shape, the LM head included, and
 # loses on most from 8 (measured; docs/benchmarks.md).
@@ -43,7 +46,7 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        # An opaque oneDNN tensor (see pack_dense): a plain attribute, so .to() and state_dict() skip it.
+        # The packed bf16 copy (see pack_dense): a plain attribute, so .to() and state_dict() skip it.
         self.packed: torch.Tensor | None = None
         self._kernels = _UNSET  # find_kernels(), looked up on first use and again after every device move
 
@@ -51,22 +54,20 @@ class QuantLinear(nn.Module):
         super()._apply(fn, recurse)
         self._kernels = _UNSET
         if self.packed is not None and self.device.type != "cpu":
-            self.packed = None  # a CPU (oneDNN) copy is no use elsewhere
+            self.packed = None  # a CPU copy is no use elsewhere
         return self
 
     def kernel_token_limit(self) -> int:
         return PACKED_MAX_KERNEL_TOKENS if self.packed is not None else self.max_kernel_tokens
 
     def pack_dense(self) -> int:
-        """Keep a oneDNN-packed bf16 copy of the dequantized weight for large steps; returns its bytes (0 where
-        packing does not apply)."""
-        from inferlab.layers.packed_linear import packing_available
-
+        """Keep a packed bf16 copy of the dequantized weight for large steps (layers/packed_linear.py); returns its
+        bytes (0 where packing does not apply)."""
         if not packing_available(self.device, torch.bfloat16):
             return 0
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.dequantize(torch.bfloat16), 64)
-        return self.packed.numel() * self.packed.element_size()
+            self.packed = pack_weight(self.dequantize(torch.bfloat16))
+        return packed_bytes(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~120 times per decode step: the checks are kept to attribute reads (measured: a generator over
@@ -109,8 +110,8 @@ class QuantLinear(nn.Module):
         p = kernels.PlanLinear()
         self._plan_fields(p)
         p.kernel_max_tokens = self.kernel_token_limit()
-        if self.packed is not None:
-            p.packed = self.packed
+        if self.packed is not None and not self.packed.is_mkldnn:
+            p.packed, p.out_features = self.packed, self.out_features
         return p
 
     def _plan_fields(self, p) -> None:
@@ -123,7 +124,7 @@ class QuantLinear(nn.Module):
     def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
         """The large-step path: x [T, in] -> [T, out]."""
         if self.packed is not None and x.dtype == torch.bfloat16:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return packed_mm(x, self.packed, self.out_features)
         return F.linear(x, self.dequantize(x.dtype))
 
     def dequantize_rows(self, rows: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:

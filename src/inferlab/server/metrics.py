@@ -147,7 +147,7 @@ class _EngineCollector(Collector):
                     s.num_free_kv_blocks)
         yield gauge("inferlab:kv_cache_bytes", "Bytes of the KV pool.", s.kv_cache_bytes)
         yield gauge("inferlab:weight_bytes", "Bytes of model weights as loaded.", s.weight_bytes)
-        yield gauge("inferlab:packed_weight_bytes", "Bytes of the oneDNN-packed bf16 weight copies kept for large "
+        yield gauge("inferlab:packed_weight_bytes", "Bytes of the packed bf16 weight copies kept for the CPU GEMM "
                     "steps (--pack-weights).", s.packed_weight_bytes)
         yield gauge("inferlab:peak_rss_bytes", "Peak resident set size of the server process.", _peak_rss_bytes())
         yield counter("inferlab:engine_steps", "Engine steps run.", s.num_steps_total)
