@@ -150,6 +150,9 @@ def test_packed_gemm_matches_float64(k, rows):
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * (x.double().abs() @ w.double().abs().T)).all()
     for r in (0, rows - 1):  # a row's result ignores the other rows
         assert torch.equal(gemv_kernels().packed_linear(x[r:r + 1], packed, 203), y[r:r + 1])
+    y32 = gemv_kernels().packed_linear(x, packed, 203, fp32_out=True)  # the logits' form: the fp32 sums
+    assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)
+    assert ((y32.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6).all()
 
 
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no packed bf16 here")

@@ -22,7 +22,7 @@ struct PlanLinear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == 0 || x.size(0) > kernel_max_tokens) {
       TORCH_CHECK(packed.defined(), "a step of ", x.size(0), " tokens is past this projection's kernel");
-      return packed_linear(x, packed, out_features);
+      return packed_linear(x, packed, out_features, false);
     }
     return kind == 1 ? int8_linear(x, a, b) : int4_linear(x, a, b, c, group);
   }

@@ -18,4 +18,4 @@ bool gemv_simd();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           int64_t group_size);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bool fp32_out);

@@ -23,10 +23,13 @@ constexpr int64_t kTileBlocks = 2;  // blocks per tile: 32 outputs
 constexpr int64_t kTokens = 8;      // tokens per register tile
 
 #if defined(INFERLAB_AVX512_BF16)
+inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) { inferlab::store_bf16x16(p, v, mask); }
+inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+
 // Tokens [0, MB) x blocks [0, NB) of one tile. x: the tile's first token row; w: its first block; y: the first token
 // row's first output of the tile. `last_mask` selects the valid outputs of the tile's last block.
-template <int MB, int NB>
-inline void tile(const at::BFloat16* x, int64_t K, const uint16_t* w, int64_t block_elems, at::BFloat16* y, int64_t N,
+template <int MB, int NB, typename Out>
+inline void tile(const at::BFloat16* x, int64_t K, const uint16_t* w, int64_t block_elems, Out* y, int64_t N,
                  __mmask16 last_mask) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
@@ -42,47 +45,35 @@ inline void tile(const at::BFloat16* x, int64_t K, const uint16_t* w, int64_t bl
   }
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j)
-      inferlab::store_bf16x16(y + m * N + j * kBlock, acc[m][j], j == NB - 1 ? last_mask : 0xFFFF);
+      store16(y + m * N + j * kBlock, acc[m][j], j == NB - 1 ? last_mask : 0xFFFF);
 }
 
-template <int NB>
-void tile_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t* w, int64_t block_elems, at::BFloat16* y,
+template <int NB, typename Out>
+void tile_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t* w, int64_t block_elems, Out* y,
                int64_t N, __mmask16 last_mask) {
   int64_t m = 0;
   for (; m + kTokens <= M; m += kTokens)
-    tile<kTokens, NB>(x + m * K, K, w, block_elems, y + m * N, N, last_mask);
+    tile<kTokens, NB, Out>(x + m * K, K, w, block_elems, y + m * N, N, last_mask);
   const at::BFloat16* xm = x + m * K;
-  at::BFloat16* ym = y + m * N;
+  Out* ym = y + m * N;
   switch (M - m) {
-    case 1: tile<1, NB>(xm, K, w, block_elems, ym, N, last_mask); break;
-    case 2: tile<2, NB>(xm, K, w, block_elems, ym, N, last_mask); break;
-    case 3: tile<3, NB>(xm, K, w, block_elems, ym, N, last_mask); break;
-    case 4: tile<4, NB>(xm, K, w, block_elems, ym, N, last_mask); break;
-    case 5: tile<5, NB>(xm, K, w, block_elems, ym, N, last_mask); break;
-    case 6: tile<6, NB>(xm, K, w, block_elems, ym, N, last_mask); break;
-    case 7: tile<7, NB>(xm, K, w, block_elems, ym, N, last_mask); break;
+    case 1: tile<1, NB, Out>(xm, K, w, block_elems, ym, N, last_mask); break;
+    case 2: tile<2, NB, Out>(xm, K, w, block_elems, ym, N, last_mask); break;
+    case 3: tile<3, NB, Out>(xm, K, w, block_elems, ym, N, last_mask); break;
+    case 4: tile<4, NB, Out>(xm, K, w, block_elems, ym, N, last_mask); break;
+    case 5: tile<5, NB, Out>(xm, K, w, block_elems, ym, N, last_mask); break;
+    case 6: tile<6, NB, Out>(xm, K, w, block_elems, ym, N, last_mask); break;
+    case 7: tile<7, NB, Out>(xm, K, w, block_elems, ym, N, last_mask); break;
     default: break;
   }
 }
 #endif
 
-}  // namespace
-
-// x [M, K] bf16; packed [ceil(N / 16), K / 2, 16, 2] bf16 -> y [M, N] bf16 (fp32 sums, rounded once).
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kBlock && packed.size(3) == 2,
-              "packed must be a contiguous bfloat16 [N / 16, K / 2, 16, 2] from pack_bf16");
-  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K && (N + kBlock - 1) / kBlock == blocks, "x is [", M, ", ", K,
-              "] but the packed weight holds ", blocks * kBlock, " x ", packed.size(1) * 2, " for ", N, " outputs");
-  x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
 #if defined(INFERLAB_AVX512_BF16)
+template <typename Out>
+void run(const at::BFloat16* xp, const torch::Tensor& packed, Out* yp, int64_t M, int64_t K, int64_t N) {
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t blocks = packed.size(0);
   const int64_t block_elems = K * kBlock;
   const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
   const __mmask16 tail = inferlab::first_lanes(N - (blocks - 1) * kBlock);
@@ -94,14 +85,38 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
       for (int64_t off = 0; off < nb * block_elems * 2; off += 64) __builtin_prefetch(first + off, 0, 3);
       const __mmask16 last = b0 + nb == blocks ? tail : 0xFFFF;
       if (nb == kTileBlocks) {
-        tile_rows<kTileBlocks>(xp, M, K, w + b0 * block_elems, block_elems, yp + b0 * kBlock, N, last);
+        tile_rows<kTileBlocks, Out>(xp, M, K, w + b0 * block_elems, block_elems, yp + b0 * kBlock, N, last);
       } else {
-        tile_rows<1>(xp, M, K, w + b0 * block_elems, block_elems, yp + b0 * kBlock, N, last);
+        tile_rows<1, Out>(xp, M, K, w + b0 * block_elems, block_elems, yp + b0 * kBlock, N, last);
       }
     }
   });
+}
+#endif
+
+}  // namespace
+
+// x [M, K] bf16; packed [ceil(N / 16), K / 2, 16, 2] bf16 -> y [M, N] bf16 (fp32 sums, rounded once), or the fp32
+// sums themselves with fp32_out (logits: no bf16 rounding and no separate conversion pass).
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bool fp32_out) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kBlock && packed.size(3) == 2,
+              "packed must be a contiguous bfloat16 [N / 16, K / 2, 16, 2] from pack_bf16");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K && (N + kBlock - 1) / kBlock == blocks, "x is [", M, ", ", K,
+              "] but the packed weight holds ", blocks * kBlock, " x ", packed.size(1) * 2, " for ", N, " outputs");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? torch::kFloat : torch::kBFloat16));
+#if defined(INFERLAB_AVX512_BF16)
+  if (fp32_out) {
+    run(x.data_ptr<at::BFloat16>(), packed, y.data_ptr<float>(), M, K, N);
+  } else {
+    run(x.data_ptr<at::BFloat16>(), packed, y.data_ptr<at::BFloat16>(), M, K, N);
+  }
 #else
   TORCH_CHECK(false, "packed_linear needs a build with AVX-512 BF16 (see gemv_simd())");
 #endif
   return y;
 }
+

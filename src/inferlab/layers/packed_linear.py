@@ -93,6 +93,13 @@ class PackedLinear(nn.Module):
             y = packed_mm(x2, self.packed, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """forward() in fp32 (logits): inferlab's kernel hands over its fp32 sums without rounding them to bf16."""
+        if self.packed.is_mkldnn or x.requires_grad or x.dtype != torch.bfloat16:
+            return self(x).float()
+        return _packed_kernels().packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
+                                               fp32_out=True).reshape(*x.shape[:-1], self.out_features)
+
     def plan_linear(self):
         """This projection for kernels/decode_layers.cpp, which runs it as forward() does (kind 0: the packed
         weight at every step size). None where inferlab's kernel does not multiply it."""

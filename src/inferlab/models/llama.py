@@ -173,4 +173,6 @@ class LlamaForCausalLM(nn.Module):
         n = hidden.shape[0]
         if self.pad_rows and batch_invariant_rows(n) > n:
             return self.lm_head(F.pad(hidden, (0, 0, 0, batch_invariant_rows(n) - n)))[:n].float()
+        if hasattr(self.lm_head, "forward_float"):
+            return self.lm_head.forward_float(hidden)  # bf16 on the CPU: the packed kernel's fp32 sums
         return self.lm_head(hidden).float()
