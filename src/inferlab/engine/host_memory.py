@@ -1,4 +1,4 @@
-"""glibc malloc settings for an engine that runs on the CPU.
+"""Host memory for an engine that runs on the CPU: glibc malloc settings, and huge pages for the KV pool.
 
 Every step allocates a few multi-megabyte tensors and frees them before the next: at 64 sequences the logits alone
 are 12.6 MB in fp32, the sampler's probabilities and CDF as much again. glibc hands out blocks above its mmap
@@ -8,6 +8,9 @@ same arithmetic on reused memory takes 4 ms (measured). Keeping blocks up to the
 64-bit) on the heap and not trimming it back lets each step reuse the last one's memory: the KV pool and the
 weights, far larger, still get their own mappings. An explicit MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ in
 the environment wins, as does a preloaded allocator (tcmalloc, jemalloc), where mallopt is not glibc's.
+
+The KV pool is read in scattered 2 KiB blocks; on 4 KiB pages nearly every block is a TLB miss, so the pool asks for
+transparent huge pages (`madvise`, honoured where THP is in `madvise` or `always` mode) before it is first written.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+
+import torch
 
 log = logging.getLogger("inferlab.engine")
 
@@ -42,3 +47,22 @@ def keep_step_buffers() -> bool:
     if not _applied:
         log.info("malloc settings for the CPU engine not applied (mallopt refused them)")
     return _applied
+
+
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 * 2**20
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask the kernel to back a large CPU tensor with 2 MiB pages (transparent huge pages in `madvise` mode) before
+    it is first written. Returns whether the advice was taken."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < 2 * HUGE_PAGE:
+        return False
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
