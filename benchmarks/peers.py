@@ -66,6 +66,9 @@ def targets(port: int, extra: dict[str, list[str]]) -> dict[str, Target]:
     return {
         "inferlab": Target("inferlab", serve + extra.get("inferlab", [])),
         "inferlab-int4": Target("inferlab-int4", serve + ["--quantization", "int4"] + extra.get("inferlab-int4", [])),
+        # the latency setting: at most 64 prefill tokens beside running decodes (bounds ITL, costs throughput)
+        "inferlab-itl": Target("inferlab-itl", serve + ["--max-prefill-tokens-with-decodes", "64"]
+                               + extra.get("inferlab-itl", [])),
         "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
         "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                                         gguf_path(), "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
@@ -168,7 +171,7 @@ def summarize(res: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--targets", default="inferlab,inferlab-int4,vllm,llamacpp")
+    ap.add_argument("--targets", default="inferlab,inferlab-int4,inferlab-itl,vllm,llamacpp")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="a third of the requests per workload")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
