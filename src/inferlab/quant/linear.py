@@ -3,13 +3,13 @@ for large ones.
 
 The kernels are inferlab's own (kernels/gemv.cpp): they stream the quantized weight once per step and
 dequantize in registers, so a decode token reads 2-3x fewer bytes than bf16 and runs 2-3x faster. Their work grows
-with the tokens in the step, while oneDNN's bf16 GEMM barely slows down until it turns compute-bound, so from a few
+with the tokens in the step, while a bf16 GEMM barely slows down until it turns compute-bound, so from a few
 tokens on the dense matmul wins (`python benchmarks/quantization.py kernels`, in docs/benchmarks.md). The dense
 path has two forms:
   - packed (the CPU default with bf16 activations, like PackedLinear for float layers): a packed bf16 copy of the
     dequantized weight (inferlab's layout, or oneDNN's where inferlab's kernel is not built), made once by
-    `pack_dense`. The fastest for large steps; it costs a bf16 copy of the
-    weights in memory, which the engine reports beside the quantized bytes. Kernel up to PACKED_MAX_KERNEL_TOKENS.
+    `pack_dense`. The fastest for large steps; it costs a bf16 copy of the weights in memory, which the engine
+    reports beside the quantized bytes. Kernel up to PACKED_MAX_KERNEL_TOKENS.
   - dequantize per step (`--no-pack-weights`, fp32 models, other devices): no second copy, so the memory saving
     stays whole; the dequantization is a fixed cost that only a larger step amortises, hence the larger
     per-scheme `max_kernel_tokens`.
@@ -25,7 +25,7 @@ from torch import nn
 from inferlab.layers.packed_linear import pack_weight, packed_bytes, packed_mm, packing_available
 
 # With a packed bf16 copy the kernel wins up to 4 tokens on every SmolLM2-135M shape, the LM head included, and
-# loses on most from 8 (measured; docs/benchmarks.md).
+# loses on most from 8 (measured against oneDNN's packed GEMM, docs/benchmarks.md; inferlab's own is faster still).
 PACKED_MAX_KERNEL_TOKENS = 4
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _UNSET = object()

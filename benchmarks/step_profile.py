@@ -1,0 +1,77 @@
+"""Where a decode step's time goes, by engine phase, at a few batch sizes.
+
+    python benchmarks/step_profile.py [--batches 16 64] [--context 192] [--temperature 1.0] [--steps 20]
+
+B sequences with --context random prompt tokens are prefilled, then --steps decode steps are timed with a timer
+around each phase the engine runs: scheduling, input preparation, the decoder layers (`model`: one C++ call for
+decode-only steps on the CPU), the LM head (`logits`), sampling, and appending the tokens (detokenization, stop
+checks). `other` is the rest of `LLMEngine.step`. The timers cost a few microseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--temperature", type=float, default=1.0, help="1.0: what `inferlab bench` asks for by default")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+
+    from inferlab import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory=1024 * 2**20)
+    eng = llm.engine
+    times: dict[str, float] = collections.defaultdict(float)
+
+    def timed(obj, name: str, key: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                times[key] += time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    timed(eng.scheduler, "schedule", "schedule")
+    timed(eng.runner, "prepare", "prepare")
+    timed(eng.runner.model.model, "forward", "model")
+    timed(eng.runner.model, "compute_logits", "logits")
+    timed(eng, "sampler", "sampler")
+    timed(eng, "_append_tokens", "append")
+    print(f"{torch.get_num_threads()} threads, bf16, context {args.context}, temperature {args.temperature}")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 16, ignore_eos=True)
+    for b in args.batches:
+        for i in range(b):
+            eng.add_request(f"b{b}-{i}", {"prompt_token_ids": rng.integers(100, 20000, args.context).tolist()},
+                            params)
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.requests.values()):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        times.clear()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        total = (time.perf_counter() - t) / args.steps * 1e3
+        parts = {k: v / args.steps * 1e3 for k, v in times.items()}
+        parts["other"] = total - sum(parts.values())
+        print(f"batch {b:3d}: {total:6.2f} ms a step | " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+        for rid in list(eng.requests):
+            eng.abort(rid)
+
+
+if __name__ == "__main__":
+    main()
