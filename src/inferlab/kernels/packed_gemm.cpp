@@ -6,10 +6,10 @@
 // adding into 16 fp32 sums at once: no horizontal sums (the plain [N, K] layout needs one per output), and a tile of
 // 2 blocks x 8 tokens keeps its 16 sums in registers while the weights stream once per 8 tokens.
 //
-// Measured on the 2-core AVX-512 BF16 EPYC (SmolLM2-135M's four layer shapes x 30 layers, a prototype of this loop
-// against oneDNN's own packed bf16 GEMM in the same run): 1 token 7.3 vs 11.8 ms, 8 tokens 10.2 vs 12.3, 16 tokens
-// 13.1-14.6 vs 15.6, 64 tokens 37.5 vs 47.4, 512 tokens 260 vs 271; and level with inferlab's plain-layout gemv at
-// 1-4 tokens, which it replaces.
+// Measured on the 2-core AVX-512 BF16 EPYC (`python benchmarks/linear_kernels.py`: SmolLM2-135M's four layer shapes
+// x 30 layers against oneDNN's own packed bf16 GEMM in the same run): 1 token 7.5 vs 11.8 ms, 16 tokens 13.8 vs
+// 14.9, 64 tokens 36.4 vs 39.3, 512 tokens 261 vs 286; and level with the plain-layout gemv it replaced at 1-4
+// tokens (a prototype run: 7.6-9.3 ms both).
 
 #include "cpu_common.h"
 

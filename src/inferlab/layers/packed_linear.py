@@ -2,8 +2,8 @@
 
 Where inferlab's kernels are built with AVX-512 BF16 the layout is inferlab's own (`pack_bf16`, multiplied by
 kernels/packed_gemm.cpp at every step size): measured with SmolLM2-135M's four layer shapes x 30 layers on the
-project's 2-core EPYC, it beats oneDNN's own pre-packed bf16 GEMM from 1 to 512 rows (16 rows 13-14.6 vs 15.6 ms,
-64 rows 37.5 vs 47.4) and matches the plain-layout gemv at 1-4 rows (`python benchmarks/linear_kernels.py`).
+project's 2-core EPYC (`python benchmarks/linear_kernels.py`), it beats oneDNN's own pre-packed bf16 GEMM from 1
+to 512 rows (1 row 7.5 vs 11.8 ms, 16 rows 13.8 vs 14.9, 64 rows 36.4 vs 39.3, 512 rows 261 vs 286).
 Elsewhere it is oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`), 1.25-1.6x faster than
 `F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows. Either way the layer keeps
 the plain weight too (for state_dict and tied embeddings), so the speed costs a second copy of the weights (for
