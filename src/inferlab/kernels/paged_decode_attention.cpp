@@ -17,12 +17,12 @@
 #include <limits>
 #include <vector>
 
-
 namespace {
 
 #if defined(INFERLAB_AVX512_BF16)
 using inferlab::exp16;
 using inferlab::first_lanes;
+using inferlab::load_bf16x16;
 using inferlab::sum_lanes_of_16;
 #endif
 using inferlab::load;
@@ -134,11 +134,6 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
 // here; with the pool in cache 2.4 ms, so the rest is waiting on memory (measured, /tmp harness, not committed).
 constexpr int64_t kTile = 16;
 
-inline __m512 bf16x16_to_fp32(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // G query heads share a KV head; D = 64 * C.
 template <int64_t G, int64_t C>
 void decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables, const int64_t* lens,
@@ -202,7 +197,8 @@ void decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, cons
                 a[g][r] = _mm512_mul_ps(_mm512_load_ps(&acc[g][64 * c + 16 * r]), _mm512_set1_ps(corr[g]));
             for (int64_t j = 0; j < n; ++j) {
               __m512 v[4];
-              for (int64_t r = 0; r < 4; ++r) v[r] = bf16x16_to_fp32(vt + j * D + 64 * c + 16 * r);
+              const auto* vr = reinterpret_cast<const at::BFloat16*>(vt + j * D + 64 * c);
+              for (int64_t r = 0; r < 4; ++r) v[r] = load_bf16x16(vr + 16 * r);
               for (int64_t g = 0; g < G; ++g) {
                 const __m512 w = _mm512_set1_ps(p[g][j]);
                 for (int64_t r = 0; r < 4; ++r) a[g][r] = _mm512_fmadd_ps(w, v[r], a[g][r]);
