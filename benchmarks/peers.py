@@ -56,7 +56,7 @@ def free_port() -> int:
 
 def gguf_path() -> str:
     sys.path.insert(0, str(ROOT / "src"))
-    from inferlab.models.bundled import bundled_model_path
+    from inferlab.common.bundled import bundled_model_path
 
     return str(bundled_model_path())
 

@@ -26,7 +26,7 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inferlab.models.bundled import bundled_model_path
+    from inferlab.common.bundled import bundled_model_path
 
     p = bundled_model_path()
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()

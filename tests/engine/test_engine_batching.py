@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from inferlab import LLM, SamplingParams
-from inferlab.engine.errors import InvalidRequestError, ModelLoadError
+from inferlab.common.errors import InvalidRequestError, ModelLoadError
 
 TEXTS = [
     "The history of the printing press begins in the fifteenth century, when",

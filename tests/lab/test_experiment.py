@@ -133,7 +133,7 @@ def test_experiment_on_the_bundled_model(tmp_path):
     eval tests cover it) so the test stays bounded by two server starts and a few short requests."""
     pytest.importorskip("inferlab.engine.llm_engine")
     from inferlab.cli import main
-    from inferlab.models.bundled import bundled_model_path
+    from inferlab.common.bundled import bundled_model_path
 
     try:
         bundled_model_path()

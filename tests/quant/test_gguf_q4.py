@@ -85,7 +85,7 @@ def test_bundled_file_q4_1_is_exact():
     """The real file: every Q4_1 tensor of the first and last blocks, through the same fields the loader fills."""
     from gguf import GGUFReader
 
-    from inferlab.models.bundled import bundled_model_path
+    from inferlab.common.bundled import bundled_model_path
 
     reader = GGUFReader(str(bundled_model_path()))
     tensors = [t for t in reader.tensors if t.name.startswith(("blk.0.", "blk.29.")) and t.tensor_type.name == "Q4_1"]

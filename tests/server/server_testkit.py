@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from inferlab.engine.errors import InvalidRequestError
+from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
 

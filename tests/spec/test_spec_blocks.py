@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from inferlab import LLM, SamplingParams
-from inferlab.engine.errors import ModelLoadError
-from inferlab.models.bundled import bundled_model_path
+from inferlab.common.errors import ModelLoadError
+from inferlab.common.bundled import bundled_model_path
 from inferlab.spec import SpeculativeConfigError, make_proposer
 from speclib import ALWAYS, GREEDY, generate, speculating
 

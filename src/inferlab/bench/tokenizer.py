@@ -99,7 +99,7 @@ def load_tokenizer(spec: str | None) -> BenchTokenizer | None:
     from tokenizers import Tokenizer
 
     if spec is None:
-        from inferlab.models.bundled import bundled_model_path
+        from inferlab.common.bundled import bundled_model_path
 
         try:
             src = bundled_model_path()

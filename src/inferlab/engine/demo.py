@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from inferlab.engine.config import EngineConfig
-    from inferlab.engine.errors import InvalidRequestError, ModelLoadError
+    from inferlab.common.errors import InvalidRequestError, ModelLoadError
     from inferlab.engine.llm import LLM
     from inferlab.engine.sampling_params import SamplingParams
 

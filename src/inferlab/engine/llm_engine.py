@@ -10,10 +10,10 @@ import torch
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.detokenizer import Detokenizer
-from inferlab.engine.errors import InvalidRequestError
+from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from inferlab.engine.host_memory import keep_step_buffers
+from inferlab.common.host_memory import available_memory, keep_step_buffers
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
@@ -43,20 +43,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -79,7 +65,7 @@ class LLMEngine:
         per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()) * bs
         budget = config.kv_cache_memory
         if budget is None:
-            budget = min(2**30, int(0.2 * _available_memory(self.device)))
+            budget = min(2**30, int(0.2 * (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory())))
         num_blocks = max(1, budget // per_block)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_len_reason = "the model's maximum context length"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from inferlab.engine.errors import InvalidRequestError
+from inferlab.common.errors import InvalidRequestError
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from statistics import NormalDist
 
-from inferlab.lab.units import UnitError, parse_bytes, parse_duration, parse_rate
+from inferlab.common.units import UnitError, parse_bytes, parse_duration, parse_rate
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 REQUEST_METRICS = ("ttft", "tpot", "e2e")  # a single request meets or misses these: goodput counts them

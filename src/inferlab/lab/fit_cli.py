@@ -9,7 +9,7 @@ import sys
 from inferlab.lab.fit import FLOAT_DTYPES, QUANTIZATIONS, DTYPE_BYTES, FitReport, FitRequest, fit
 from inferlab.lab.hardware import HARDWARE_PRESETS, THIS_MACHINE, resolve_hardware
 from inferlab.lab.model_presets import MODEL_PRESETS, resolve_model
-from inferlab.lab.units import UnitError, format_bytes, parse_bytes
+from inferlab.common.units import UnitError, format_bytes, parse_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -111,24 +111,14 @@ def _cpu_name() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} threads"
 
 
-def _cpu_memory_bytes() -> int:
-    """MemAvailable, not MemTotal: on a shared machine what other processes hold cannot hold our weights."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hardware:
     """Measure read bandwidth (sum over a tensor far larger than the caches) and bf16/fp32 matmul rates with torch.
 
     Achieved rates, not peaks: they are what the engine's own kernels can hope for on this machine.
     """
     import torch
+
+    from inferlab.common.host_memory import available_memory
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
@@ -138,7 +128,7 @@ def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hard
         nbytes, n_mm = 2 * GiB, {"bf16": 8192, "fp32": 4096}
     else:
         sync = lambda: None  # noqa: E731
-        name, memory = _cpu_name(), _cpu_memory_bytes()
+        name, memory = _cpu_name(), available_memory()
         nbytes, n_mm = min(256 * 2**20, memory // 16), {"bf16": 2048, "fp32": 2048}
 
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)

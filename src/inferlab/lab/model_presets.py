@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferlab.engine.errors import ModelLoadError
+from inferlab.common.errors import ModelLoadError
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.engine.host_memory import advise_huge_pages
+from inferlab.common.host_memory import advise_huge_pages
 from inferlab.kernels import kernels_for
 
 

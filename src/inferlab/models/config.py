@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from inferlab.engine.errors import ModelLoadError
+from inferlab.common.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -44,7 +44,7 @@ class ModelConfig:
 
 def resolve_model_path(model: str | Path | None) -> Path:
     if model is None:
-        from inferlab.models.bundled import bundled_model_path
+        from inferlab.common.bundled import bundled_model_path
 
         return bundled_model_path()
     path = Path(model).expanduser()

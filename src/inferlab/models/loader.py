@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inferlab.engine.errors import ModelLoadError
+from inferlab.common.errors import ModelLoadError
 from inferlab.models.config import ModelConfig, open_gguf, read_model_config, resolve_model_path
 from inferlab.models.llama import LlamaForCausalLM
 

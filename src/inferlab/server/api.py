@@ -24,7 +24,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlab import __version__
-from inferlab.engine.errors import InvalidRequestError
+from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.server.async_engine import (TIMED_OUT, AsyncEngine, EngineDeadError, EngineFailed, QueueFullError,
                                           RequestStream)

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferlab.engine.errors import InvalidRequestError
+from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.outputs import EngineStats, RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.server.metrics import ServerMetrics

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from inferlab.engine.llm_engine import LLMEngine
     from inferlab.server.api import ServerConfig, build_app
 
-    from inferlab.engine.errors import ModelLoadError
+    from inferlab.common.errors import ModelLoadError
 
     try:
         engine_config = EngineConfig.from_cli_args(args)

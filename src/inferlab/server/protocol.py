@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inferlab.engine.errors import InvalidRequestError
+from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- errors

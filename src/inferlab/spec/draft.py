@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from inferlab.engine.errors import ModelLoadError
+from inferlab.common.errors import ModelLoadError
 from inferlab.engine.sampler import exponential_noise, sampling_probs
 from inferlab.engine.sequence import Sequence
 from inferlab.layers.attention import AttentionMetadata, allocate_kv_cache

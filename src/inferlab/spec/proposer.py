@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from inferlab.engine.errors import ModelLoadError
+from inferlab.common.errors import ModelLoadError
 from inferlab.engine.sequence import Sequence
 from inferlab.spec.verify import verify_proposals
 

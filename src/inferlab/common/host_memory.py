@@ -66,3 +66,16 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
+
+
+def available_memory() -> int:
+    """Bytes the host can still give: MemAvailable, not MemTotal, since on a shared machine what other processes
+    hold cannot hold our KV pool or weights. Falls back to physical memory where /proc is not readable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from inferlab.engine.host_memory import advise_huge_pages
+from inferlab.common.host_memory import advise_huge_pages
 
 
 def test_huge_page_advice_keeps_the_tensor_and_skips_small_ones():
