@@ -82,7 +82,7 @@ def configs(k: int, draft_layers: int) -> dict[str, tuple[dict | None, SpecPolic
 
 def use(llm: LLM, options: dict | None, policy: SpecPolicy | None) -> None:
     eng = llm.engine
-    eng.proposer = None if options is None else make_proposer(replace(eng.config, **options), eng, policy)
+    eng.proposer = None if options is None else make_proposer(replace(eng.config, **options), eng.runner, eng.tokenizer, policy)
 
 
 def run(llm: LLM, prompts: list[list[dict]], params: SamplingParams) -> dict:

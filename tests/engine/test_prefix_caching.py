@@ -57,14 +57,18 @@ def test_different_salts_never_share(llm_fp32):
     secret = tok.encode("Tenant A's private contract terms: " + "clause, " * 80, add_special_tokens=False)
     eng = llm_fp32.engine
     outs = {}
+    tokens: dict[str, list[int]] = {}
     for rid, salt in [("a1", "tenant-a"), ("b1", "tenant-b"), ("a2", "tenant-a"), ("none", None)]:
         eng.add_request(rid, secret + [42], GREEDY, cache_salt=salt)
         while eng.has_work():
             for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finished:
                     outs[o.request_id] = o
     assert outs["a1"].num_cached_tokens == 0
     assert outs["b1"].num_cached_tokens == 0  # same prompt, other tenant: no hit, so no timing side channel
     assert outs["a2"].num_cached_tokens > 0  # same tenant: hit
     assert outs["none"].num_cached_tokens == 0
-    assert outs["a1"].new_token_ids or True
+    # The salt changes what is shared, never what is generated: a hit gives the same greedy tokens as a miss.
+    assert len(tokens["a1"]) == GREEDY.max_tokens
+    assert tokens["a1"] == tokens["b1"] == tokens["a2"] == tokens["none"]

@@ -19,12 +19,14 @@ def seq(rid: str, n: int, start: int = 0) -> Sequence:
 
 
 def run_step(sched: Scheduler, sample_token: int = 7):
-    """Apply a schedule as the engine would: advance computed counts, append a token where the end is reached."""
+    """A step as the engine runs it, without a model: schedule, let the scheduler account for the computed tokens,
+    then append a token to every sequence that reached its end."""
     batch = sched.schedule()
-    for s, n in zip(batch.seqs, batch.num_new_tokens):
-        s.num_computed_tokens += n
-        if s.num_computed_tokens == s.num_tokens:
-            s.token_ids.append(sample_token)
+    sampled = {s: [sample_token] for s, n in zip(batch.seqs, batch.num_new_tokens)
+               if s.num_computed_tokens + n == s.num_tokens}
+    sched.update_from_output(batch, sampled)
+    for s, tokens in sampled.items():
+        s.token_ids.extend(tokens)
     return batch
 
 
@@ -86,9 +88,9 @@ def test_preempts_most_recent_and_does_not_admit_in_that_step():
     b = run_step(sched)  # s0 needs a third block: s2 (most recent) is preempted, which also covers s1
     assert [s.request_id for s in b.preempted] == ["s2"]
     assert [s.request_id for s in b.seqs] == ["s0", "s1"]  # and "late" is not admitted in a preempting step
-    assert list(sched.waiting)[:2] == [seqs[2], sched.waiting[1]] and sched.waiting[1].request_id == "late"
+    assert [s.request_id for s in sched.waiting] == ["s2", "late"]  # the victim goes back to the front
     assert seqs[2].status is SequenceStatus.WAITING and seqs[2].num_computed_tokens == 0
-    assert sched.num_preemptions >= 1
+    assert sched.num_preemptions == 1 and seqs[2].num_preemptions == 1
     # Eventually everything runs to completion with a bounded number of steps and no leaks.
     for _ in range(50):
         for s in list(sched.running):
@@ -122,3 +124,21 @@ def test_engine_config_names_a_bad_budget():
     for text, want in (("64", 64), ("none", None)):
         args = parser.parse_args(["--max-prefill-tokens-with-decodes", text])
         assert EngineConfig.from_cli_args(args).max_prefill_tokens_with_decodes == want
+
+
+def test_update_from_output_keeps_accepted_proposals_and_returns_the_rest():
+    """A verifying step schedules the last token and the proposals; what the target rejects is not computed, and
+    blocks past the kept tokens go back to the pool, tail first."""
+    bm = BlockManager(10, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a = seq("a", 7)
+    sched.add(a)
+    run_step(sched)  # 7 computed, 8 tokens, 2 blocks
+    sched.set_proposals({a: [1, 2, 3, 4, 5]})
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [6] and bm.table("a") == [0, 1, 2, 3]  # room for 8 + 5 tokens
+    sched.update_from_output(batch, {a: [1, 2, 99]})  # two proposals accepted, then the target's own token
+    assert a.num_computed_tokens == 10 and a.spec_token_ids == []
+    assert (a.spec_proposed, a.spec_accepted) == (5, 2)
+    assert bm.table("a") == [0, 1, 2] and bm.num_free_blocks == 7  # 10 computed + 1 to come: 3 blocks
+    assert list(bm.free_queue)[0] == 3  # the trimmed block holds nothing reusable: first in line

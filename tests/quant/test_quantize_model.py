@@ -27,13 +27,14 @@ def tiny_model(dtype=torch.float32, seed: int = 0) -> LlamaForCausalLM:
 
 
 def logits(net: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    from inferlab.engine.llm import _forward_without_cache
-    from inferlab.layers.attention import AttentionMetadata
+    from inferlab.layers.attention import AttentionMetadata, allocate_kv_cache
 
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=0, decode=None,
-                             extend=None, causal_only=True)
+    # A causal pass over a scratch pool with one slot per token (ModelRunner.score's pass, without a runner).
+    allocate_kv_cache(net.model.layers, len(ids), 1, net.model.norm.weight.dtype, ids.device)
+    meta = AttentionMetadata(slot_mapping=torch.arange(len(ids)), num_decode_tokens=0, decode=None, extend=None,
+                             causal_only=True)
     with torch.inference_mode():
-        return net.compute_logits(_forward_without_cache(net, ids, torch.arange(len(ids)), meta))
+        return net.compute_logits(net(ids, torch.arange(len(ids)), meta))
 
 
 def unique_bytes(net: nn.Module) -> int:

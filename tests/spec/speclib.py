@@ -36,7 +36,7 @@ def speculating(llm, policy: SpecPolicy = ALWAYS, **options):
     """Run the block with a proposer built by make_proposer (LLMEngine.__init__'s path); afterwards check that
     speculation ran, its counters are consistent and no KV block leaked."""
     eng = llm.engine
-    eng.proposer = make_proposer(replace(eng.config, **options), eng, policy)
+    eng.proposer = make_proposer(replace(eng.config, **options), eng.runner, eng.tokenizer, policy)
     before = eng.stats()
     try:
         yield eng.proposer

@@ -88,7 +88,7 @@ def test_a_draft_with_another_vocabulary_is_refused(llm, tmp_path):
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     eng = llm.engine
     with pytest.raises(ModelLoadError, match=r"vocabulary of 1000 tokens but the target .* has 49152"):
-        make_proposer(replace(eng.config, speculative="draft", draft_model=str(tmp_path)), eng)
+        make_proposer(replace(eng.config, speculative="draft", draft_model=str(tmp_path)), eng.runner, eng.tokenizer)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -103,7 +103,7 @@ def test_a_draft_with_another_vocabulary_is_refused(llm, tmp_path):
 def test_bad_options_are_refused_with_the_reason(llm, options, message):
     eng = llm.engine
     with pytest.raises(SpeculativeConfigError, match=message):
-        make_proposer(replace(eng.config, **options), eng, ALWAYS)
+        make_proposer(replace(eng.config, **options), eng.runner, eng.tokenizer, ALWAYS)
 
 
 def test_speculative_engine_from_the_config(tiny, fitting):

@@ -1,36 +1,65 @@
-"""Engine configuration: one dataclass, shared by the offline API, the server and the lab."""
+"""Engine configuration: one dataclass, shared by the offline API, the server and the lab.
+
+Each field is also a command-line flag (`--` + its name with dashes), derived in `add_cli_args` from the field's
+type, default and metadata, so a new option is written once."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+
+from inferlab.common.units import UnitError, parse_bytes
+
+
+def _flag(help: str, **argparse_options) -> dict:
+    return {"help": help, **argparse_options}
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.strip().lower() == "none" else int(text)
+
+
+def _bytes(text: str) -> int:
+    """A size with a unit ('512MiB', '2GB'), or a bare byte count."""
+    try:
+        return int(text) if text.strip().isdigit() else parse_bytes(text)
+    except UnitError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # GGUF file or Hugging Face folder; None = the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bfloat16 where the device does bf16 matmul fast)
-    device: str = "auto"  # auto | cpu | cuda[:N]
-    block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None = a share of free memory, capped
-    max_num_seqs: int = 64  # running sequences per step
-    max_num_batched_tokens: int = 512  # tokens (prefill chunks + decodes) per step
-    # prefill tokens a step may add beside decodes (bounds inter-token latency); None = up to the step budget
-    max_prefill_tokens_with_decodes: int | None = None
-    max_model_len: int | None = None  # None = the model's context length
-    enable_prefix_caching: bool = True
-    quantization: str = "none"  # none | int8 | int4
-    quant_group_size: int = 32
-    speculative: str | None = None  # None | ngram | draft
-    num_speculative_tokens: int = 4
-    ngram_min: int = 1
-    ngram_max: int = 4
-    draft_model: str | None = None
-    draft_layers: int | None = None
-    # CPU bf16: keep a packed bf16 copy of each weight, dequantized for int8/int4 (faster, more memory)
-    pack_weights: bool = True
-    num_threads: int | None = None  # torch intra-op threads; None = leave torch's default
-    seed: int = 0
+    model: str | None = field(default=None, metadata=_flag(
+        "GGUF file or Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)"))
+    dtype: str = field(default="auto", metadata=_flag(
+        "activations and KV cache; auto = bfloat16 where the device does bf16 matmul fast",
+        choices=["auto", "float32", "bfloat16"]))
+    device: str = field(default="auto", metadata=_flag("auto | cpu | cuda[:N]"))
+    block_size: int = field(default=16, metadata=_flag("tokens per KV block"))
+    kv_cache_memory: int | None = field(default=None, metadata=_flag(
+        "KV pool size, e.g. 512MiB or 2GB (default: a share of free memory, capped)", type=_bytes))
+    max_num_seqs: int = field(default=64, metadata=_flag("running sequences per step"))
+    max_num_batched_tokens: int = field(default=512, metadata=_flag(
+        "tokens (prefill chunks + decodes) per step"))
+    max_prefill_tokens_with_decodes: int | None = field(default=None, metadata=_flag(
+        "prefill tokens a step may carry beside running decodes: bounds their inter-token latency while new "
+        "prompts are prefilled ('none' = up to --max-num-batched-tokens)", type=_optional_int))
+    max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
+    enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse the KV blocks of shared prompt prefixes"))
+    quantization: str = field(default="none", metadata=_flag("weight quantization", choices=["none", "int8", "int4"]))
+    quant_group_size: int = field(default=32, metadata=_flag("weights per quantization scale"))
+    speculative: str | None = field(default=None, metadata=_flag("speculative decoding", choices=["ngram", "draft"]))
+    num_speculative_tokens: int = field(default=4, metadata=_flag("proposals per speculative step"))
+    ngram_min: int = field(default=1, metadata=_flag("shortest n-gram the ngram proposer matches"))
+    ngram_max: int = field(default=4, metadata=_flag("longest n-gram the ngram proposer matches"))
+    draft_model: str | None = field(default=None, metadata=_flag("draft model for --speculative draft"))
+    draft_layers: int | None = field(default=None, metadata=_flag(
+        "layers of the draft (alone: the target's own first layers)"))
+    pack_weights: bool = field(default=True, metadata=_flag(
+        "CPU bf16: keep a packed bf16 copy of each weight (dequantized for int8/int4) for steps of many tokens "
+        "(faster, more memory)"))
+    num_threads: int | None = field(default=None, metadata=_flag("torch intra-op threads (default: torch's)"))
+    seed: int = field(default=0, metadata=_flag("seed for requests that set none"))
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -44,51 +73,27 @@ class EngineConfig:
         return asdict(self)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    def flag(name: str) -> str:
+        """The command-line flag of a field: max_num_seqs -> --max-num-seqs."""
+        return "--" + name.replace("_", "-")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-        g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-        g.add_argument("--block-size", type=int, default=16)
-        g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None, help="KV pool size, e.g. 512MiB or 2GB")
-        g.add_argument("--max-num-seqs", type=int, default=64)
-        g.add_argument("--max-num-batched-tokens", type=int, default=512)
-        g.add_argument("--max-prefill-tokens-with-decodes", type=_optional_int, default=None,
-                       help="prefill tokens a step may carry beside running decodes: bounds their inter-token "
-                            "latency while new prompts are prefilled ('none' = up to --max-num-batched-tokens)")
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-        g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
-        g.add_argument("--quant-group-size", type=int, default=32)
-        g.add_argument("--speculative", default=None, choices=["ngram", "draft"])
-        g.add_argument("--num-speculative-tokens", type=int, default=4)
-        g.add_argument("--ngram-min", type=int, default=1)
-        g.add_argument("--ngram-max", type=int, default=4)
-        g.add_argument("--draft-model", default=None)
-        g.add_argument("--draft-layers", type=int, default=None)
-        g.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
-                       help="CPU bf16: keep a packed bf16 copy of each weight (dequantized for int8/int4) "
-                            "for steps of many tokens (faster, more memory)")
-        g.add_argument("--num-threads", type=int, default=None)
-        g.add_argument("--seed", type=int, default=0)
+        for f in fields(cls):
+            g.add_argument(cls.flag(f.name), default=f.default, **_argparse_options(f))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
-def _optional_int(text: str) -> int | None:
-    return None if text.strip().lower() == "none" else int(text)
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def _parse_bytes(text: str) -> int:
-    """'512MiB', '2GB', '1073741824' -> bytes."""
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a size: use a number with B, KB, MB, GB, KiB, MiB or GiB")
-    return int(float(num) * _UNITS[unit])
+def _argparse_options(f: Field) -> dict:
+    assert f.default is not MISSING, f"EngineConfig.{f.name} needs a default to be a flag"
+    options = dict(f.metadata)
+    kind = str(f.type).replace(" | None", "")  # annotations are strings (from __future__ import annotations)
+    if kind == "bool":
+        options["action"] = argparse.BooleanOptionalAction
+    elif "type" not in options and "choices" not in options:
+        options["type"] = {"int": int, "str": str}[kind]
+    return options

@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import fields
 
-import torch
-
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.llm_engine import LLMEngine, Prompt
 from inferlab.engine.outputs import CompletionOutput
@@ -74,41 +72,10 @@ class LLM:
         batch = messages if messages and isinstance(messages[0], list) else [messages]
         return self.generate(batch, params)
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:
-        """log p(token_i | tokens_<i) for i >= 1, computed with the engine's own model through a scratch forward
-        pass (for perplexity). The sequence must fit the model's context."""
-        from inferlab.layers.attention import AttentionMetadata
-
+        """log p(token_i | tokens_<i) for i >= 1, computed with the engine's own model (for perplexity). The
+        sequence must fit the model's context."""
         eng = self.engine
         if not 2 <= len(token_ids) <= eng.max_model_len:
             raise ValueError(f"score needs 2..{eng.max_model_len} tokens, got {len(token_ids)}")
-        model = eng.runner.model
-        ids = torch.tensor(token_ids, dtype=torch.long, device=eng.device)
-        pos = torch.arange(len(token_ids), device=eng.device)
-        # A causal-only pass attends to its own fresh K/V; the slot writes go to a throwaway buffer, not the pool.
-        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decode_tokens=0,
-                                 decode=None, extend=None, causal_only=True)
-        hidden = _forward_without_cache(model, ids, pos, meta)
-        logp = model.compute_logits(hidden[:-1]).log_softmax(-1)
-        return logp.gather(1, ids[1:, None]).squeeze(1).tolist()
-
-
-def _forward_without_cache(model, ids, pos, meta):
-    """Run a causal-only pass with each layer's cache temporarily swapped for a scratch buffer the size of the
-    sequence, so scoring never touches the live KV pool."""
-    cfg = model.config
-    saved = []
-    T = ids.shape[0]
-    for layer in model.model.layers:
-        a = layer.self_attn.attn
-        saved.append((a.k_cache, a.v_cache))
-        dtype = a.k_cache.dtype if a.k_cache.numel() else torch.float32
-        a.k_cache = torch.empty(cfg.num_kv_heads, T, 1, cfg.head_dim, dtype=dtype, device=ids.device)
-        a.v_cache = torch.empty_like(a.k_cache)
-    meta.slot_mapping = torch.arange(T, device=ids.device)
-    try:
-        return model(ids, pos, meta)
-    finally:
-        for layer, (k, v) in zip(model.model.layers, saved):
-            layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = k, v
+        return eng.runner.score(token_ids)

@@ -19,7 +19,7 @@ from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
 from inferlab.engine.sequence import Sequence
 from inferlab.models.loader import load_model, load_tokenizer
-from inferlab.spec import make_proposer
+from inferlab.spec import StepContext, make_proposer
 
 log = logging.getLogger("inferlab.engine")
 
@@ -65,7 +65,8 @@ class LLMEngine:
         per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()) * bs
         budget = config.kv_cache_memory
         if budget is None:
-            budget = min(2**30, int(0.2 * (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory())))
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
+            budget = min(2**30, int(0.2 * free))
         num_blocks = max(1, budget // per_block)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_len_reason = "the model's maximum context length"
@@ -83,7 +84,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_outputs: list[RequestOutput] = []
-        self.proposer = make_proposer(config, self)  # None unless --speculative
+        self.proposer = make_proposer(config, self.runner, self.tokenizer)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
         log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16), "
@@ -162,35 +163,31 @@ class LLMEngine:
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        tables = [self.block_manager.table(s.request_id) for s in batch.seqs]
-        inputs = self.runner.prepare(batch, tables)
+        inputs = self.runner.prepare(batch, [self.block_manager.table(s.request_id) for s in batch.seqs])
         logits = self.runner.execute(inputs)
-        for s, n in zip(batch.seqs, batch.num_new_tokens):
-            if not s.spec_token_ids:
-                s.num_computed_tokens += n
-        now = time.perf_counter()
-        outputs: list[RequestOutput] = []
+        seqs = inputs.sample_seqs
         if logits is None:
-            for s in batch.seqs:
-                self.block_manager.cache_computed_blocks(s)
-            return outputs
-        if self.proposer is not None and any(s.spec_token_ids for s in inputs.sample_seqs):
-            accepted = self.proposer.verify(self, inputs, logits)
+            sampled: list[list[int]] = []
+        elif self.proposer is not None and any(s.spec_token_ids for s in seqs):
+            sampled = self.proposer.verify(logits, inputs.logits_per_seq, seqs, self._generators)
         else:
-            gens = [self._generators.get(s.request_id) for s in inputs.sample_seqs]
-            sampled = self.sampler(logits, [s.params for s in inputs.sample_seqs], gens).tolist()
-            accepted = [[t] for t in sampled]
-        for s in batch.seqs:
-            self.block_manager.cache_computed_blocks(s)
-        for seq, new_tokens in zip(inputs.sample_seqs, accepted):
-            out = self._append_tokens(seq, new_tokens, now)
-            if out is not None:
-                outputs.append(out)
+            gens = [self._generators.get(s.request_id) for s in seqs]
+            sampled = [[t] for t in self.sampler(logits, [s.params for s in seqs], gens).tolist()]
+        self.scheduler.update_from_output(batch, dict(zip(seqs, sampled)))
+        now = time.perf_counter()
+        outputs = [self._append_tokens(seq, new_tokens, now) for seq, new_tokens in zip(seqs, sampled)]
         if self.proposer is not None:
-            self.proposer.propose(self, [s for s in self.scheduler.running])
+            self.scheduler.set_proposals(self.proposer.propose(self.scheduler.running, self._step_context()))
         return outputs
 
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float) -> RequestOutput | None:
+    def _step_context(self) -> StepContext:
+        sched = self.scheduler
+        return StepContext(waiting_tokens=sum(s.num_tokens for s in sched.waiting),
+                           max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=self.max_model_len,
+                           generators=self._generators, block_table=self.block_manager.table,
+                           allocate=self.block_manager.allocate)
+
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float) -> RequestOutput:
         p = seq.params
         appended: list[int] = []
         old_len = len(seq.output_text)
@@ -249,4 +246,10 @@ class LLMEngine:
         c.num_preemptions_total = self.scheduler.num_preemptions
         c.prefix_cache_queries_total = bm.prefix_queries
         c.prefix_cache_hits_total = bm.prefix_hits
+        if self.proposer is not None:
+            spec = self.proposer.counters
+            c.spec_num_drafts_total = spec.num_drafts
+            c.spec_num_draft_tokens_total = spec.num_draft_tokens
+            c.spec_num_accepted_tokens_total = spec.num_accepted_tokens
+            c.spec_accepted_per_pos_total = list(spec.accepted_per_pos)
         return EngineStats(**{f: getattr(c, f) for f in EngineStats.__slots__})

@@ -9,7 +9,7 @@ import torch
 
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Sequence
-from inferlab.layers.attention import AttentionGroup, AttentionMetadata, allocate_kv_cache
+from inferlab.layers.attention import AttentionGroup, AttentionMetadata, allocate_kv_cache, bind_kv_cache
 from inferlab.layers.packed_linear import pack_linears
 from inferlab.models.llama import LlamaForCausalLM
 
@@ -43,81 +43,57 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def prepare(self, batch: ScheduledBatch, block_tables: list[list[int]]) -> StepInputs:
-        bs = self.block_size
         seqs, ns = batch.seqs, batch.num_new_tokens
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         lens = np.asarray(ns, dtype=np.int64)
-        cu = np.concatenate(([0], np.cumsum(lens)))
-        T = int(cu[-1])
         ids: list[int] = []
         for s, c, n in zip(seqs, starts.tolist(), ns):
             toks = s.token_ids if not s.spec_token_ids else s.token_ids + s.spec_token_ids
             ids.extend(toks[c:c + n])
-        seq_of_token = np.repeat(np.arange(len(seqs)), lens)
-        positions = np.arange(T) - cu[:-1][seq_of_token] + starts[seq_of_token]
-        max_blocks = max(len(t) for t in block_tables)
-        bt = np.zeros((len(seqs), max_blocks), dtype=np.int64)
-        for i, t in enumerate(block_tables):
-            bt[i, : len(t)] = t
-        slots = bt[seq_of_token, positions // bs] * bs + positions % bs
-        ends = starts + lens  # context length after this step
-
-        d = batch.num_decodes
-        decode = extend = None
-        causal_only = d == 0 and len(seqs) == 1 and starts[0] == 0
-        if d and not causal_only:
-            decode = self._group(bt[:d], starts[:d], lens[:d], ends[:d])
-        if len(seqs) > d and not causal_only:
-            extend = self._group(bt[d:], starts[d:], lens[d:], ends[d:])
-
+        positions, meta = self.layout(block_tables, starts, lens, batch.num_decodes)
+        ends = np.cumsum(lens)
         sample_seqs, per_seq, rows = [], [], []
         for i, s in enumerate(seqs):
-            if int(ends[i]) >= s.num_tokens:  # reaches the end of known tokens: sample (and verify proposals)
+            if int(starts[i] + lens[i]) >= s.num_tokens:  # reaches the end of known tokens: sample (and verify)
                 k = len(s.spec_token_ids)
                 sample_seqs.append(s)
                 per_seq.append(k + 1)
-                rows.extend(range(int(cu[i + 1]) - k - 1, int(cu[i + 1])))
+                rows.extend(range(int(ends[i]) - k - 1, int(ends[i])))
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            num_decode_tokens=d,
-            decode=decode,
-            extend=extend,
-            causal_only=bool(causal_only),
-        )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
+            positions=positions,
             meta=meta,
             logits_index=torch.tensor(rows, dtype=torch.long, device=dev),
             sample_seqs=sample_seqs,
             logits_per_seq=per_seq,
         )
 
-    def _group(self, bt: np.ndarray, starts: np.ndarray, lens: np.ndarray, ends: np.ndarray) -> AttentionGroup:
+    def layout(self, block_tables: list[list[int]], starts: np.ndarray, lens: np.ndarray,
+               num_decodes: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Positions [T] and attention metadata for a flat batch in which sequence i contributes lens[i] tokens
+        from position starts[i], its K/V going to the blocks of block_tables[i]; the first num_decodes sequences
+        have one token each. Shared by the target's steps and a draft model's passes (spec/draft.py)."""
         bs = self.block_size
-        nblk = int(-(-ends.max() // bs))
-        bt = bt[:, :nblk]
-        max_q = int(lens.max())
-        L = nblk * bs
-        q_i = np.minimum(np.arange(max_q)[None, :], lens[:, None] - 1)  # padded queries repeat the last real one
-        key = np.arange(L)[None, None, :]
-        # query i of a sequence sits at position start + i and may see keys 0..start+i.
-        mask = key <= (starts[:, None] + q_i)[:, :, None]
+        cu = np.concatenate(([0], np.cumsum(lens)))
+        seq_of_token = np.repeat(np.arange(len(lens)), lens)
+        positions = np.arange(int(cu[-1])) - cu[:-1][seq_of_token] + starts[seq_of_token]
+        bt = np.zeros((len(lens), max(len(t) for t in block_tables)), dtype=np.int64)
+        for i, t in enumerate(block_tables):
+            bt[i, : len(t)] = t
+        slots = bt[seq_of_token, positions // bs] * bs + positions % bs
+        ends = starts + lens  # context length after this step
+        d = num_decodes
+        decode = extend = None
+        causal_only = d == 0 and len(lens) == 1 and starts[0] == 0
+        if d and not causal_only:
+            decode = self._group(bt[:d], starts[:d], lens[:d], ends[:d])
+        if len(lens) > d and not causal_only:
+            extend = self._group(bt[d:], starts[d:], lens[d:], ends[d:])
         dev = self.device
-        q_index = out_index = None
-        if max_q > 1:
-            cu = np.concatenate(([0], np.cumsum(lens)[:-1]))
-            q_index = torch.from_numpy(cu[:, None] + q_i).to(dev)
-            valid = np.arange(max_q)[None, :] < lens[:, None]
-            out_index = torch.from_numpy(np.flatnonzero(valid)).to(dev)
-        return AttentionGroup(
-            block_tables=torch.from_numpy(np.ascontiguousarray(bt)).to(dev),
-            mask=torch.from_numpy(mask[:, None]).to(dev),
-            q_index=q_index,
-            out_index=out_index,
-            context_lens=torch.from_numpy(np.ascontiguousarray(ends, dtype=np.int64)).to(dev),
-        )
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev), num_decode_tokens=d, decode=decode,
+                                 extend=extend, causal_only=bool(causal_only))
+        return torch.from_numpy(positions).to(dev), meta
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
@@ -128,5 +104,19 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_index])
 
     @torch.inference_mode()
-    def forward_hidden(self, inputs: StepInputs) -> torch.Tensor:
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_i | tokens_<i) for i >= 1 (perplexity), in one causal pass that attends only to its own
+        fresh K/V. Its K/V writes go to a scratch pool the size of the sequence, bound to the layers for the pass,
+        so scoring never touches the live pool (whose blocks belong to the scheduler)."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        T = ids.shape[0]
+        meta = AttentionMetadata(slot_mapping=torch.arange(T, device=self.device), num_decode_tokens=0,
+                                 decode=None, extend=None, causal_only=True)
+        layers = self.model.model.layers
+        allocate_kv_cache(layers, T, 1, self.kv_cache.dtype, self.device)
+        try:
+            hidden = self.model(ids, torch.arange(T, device=self.device), meta)
+        finally:
+            bind_kv_cache(layers, self.kv_cache)
+        logp = self.model.compute_logits(hidden[:-1]).log_softmax(-1)
+        return logp.gather(1, ids[1:, None]).squeeze(1).tolist()

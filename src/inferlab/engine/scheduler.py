@@ -117,6 +117,31 @@ class Scheduler:
             preempted=preempted,
         )
 
+    def set_proposals(self, proposals: dict[Sequence, list[int]]) -> None:
+        """Speculative tokens to verify in the next step (from the proposer)."""
+        for seq, tokens in proposals.items():
+            seq.spec_token_ids = tokens
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: dict[Sequence, list[int]]) -> None:
+        """Account for what a step computed, before its sampled tokens are appended: every scheduled token's K/V is
+        now in the pool except rejected proposals (their K/V is garbage nobody attends to, overwritten next), full
+        computed blocks go to the prefix cache, and blocks past what a speculative sequence kept go back.
+
+        `sampled` maps each sequence that reached its last token to the tokens it gains: accepted proposals and
+        then the target's next token."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            k = len(seq.spec_token_ids)
+            if k:
+                accepted = len(sampled[seq]) - 1
+                seq.num_computed_tokens += n - (k - accepted)
+                seq.spec_token_ids = []
+                seq.spec_proposed += k
+                seq.spec_accepted += accepted
+                self.bm.trim(seq, seq.num_computed_tokens + 1)
+            else:
+                seq.num_computed_tokens += n
+            self.bm.cache_computed_blocks(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING

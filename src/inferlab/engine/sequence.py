@@ -40,7 +40,6 @@ class Sequence:
     emitted_text_len: int = 0
     prefix_offset: int = 0
     read_offset: int = 0
-    emitted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -142,6 +142,11 @@ def allocate_kv_cache(layers, num_blocks: int, block_size: int, dtype: torch.dty
     # pages (16 sequences x 192 tokens, blocks scattered over a 1 GiB pool: 9.0 -> 6.6 ms a step, measured).
     advise_huge_pages(pool)
     pool.zero_()
-    for i, attn in enumerate(attns):
-        attn.k_cache, attn.v_cache = pool[i, 0], pool[i, 1]
+    bind_kv_cache(layers, pool)
     return pool
+
+
+def bind_kv_cache(layers, pool: torch.Tensor) -> None:
+    """Point each layer's attention at its slice of `pool` (see allocate_kv_cache)."""
+    for i, layer in enumerate(layers):
+        layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = pool[i, 0], pool[i, 1]

@@ -5,20 +5,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from inferlab.engine.config import EngineConfig
+from inferlab.engine.model_runner import ModelRunner
 from inferlab.spec.draft import DraftProposer
 from inferlab.spec.ngram import NgramProposer
-from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError
+from inferlab.spec.proposer import Proposer, SpecCounters, SpecPolicy, SpeculativeConfigError, StepContext
 
-if TYPE_CHECKING:
-    from inferlab.engine.llm_engine import LLMEngine
-
-__all__ = ["DraftProposer", "NgramProposer", "Proposer", "SpecPolicy", "SpeculativeConfigError", "make_proposer"]
+__all__ = ["DraftProposer", "NgramProposer", "Proposer", "SpecCounters", "SpecPolicy", "SpeculativeConfigError",
+           "StepContext", "make_proposer"]
 
 
-def make_proposer(config: EngineConfig, engine: LLMEngine, policy: SpecPolicy | None = None) -> Proposer | None:
+def make_proposer(config: EngineConfig, runner: ModelRunner, tokenizer,
+                  policy: SpecPolicy | None = None) -> Proposer | None:
     method, k = config.speculative, config.num_speculative_tokens
     if method is None:
         if config.draft_model is not None or config.draft_layers is not None:
@@ -32,5 +30,5 @@ def make_proposer(config: EngineConfig, engine: LLMEngine, policy: SpecPolicy | 
                                          f"{config.ngram_max}")
         return NgramProposer(k, config.ngram_min, config.ngram_max, policy)
     if method == "draft":
-        return DraftProposer(engine, k, config.draft_model, config.draft_layers, policy)
+        return DraftProposer(runner, tokenizer, config, policy)
     raise SpeculativeConfigError(f"--speculative must be ngram or draft, got {method!r}")

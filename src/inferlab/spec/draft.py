@@ -14,32 +14,30 @@ Two drafts:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from inferlab.common.errors import ModelLoadError
+from inferlab.engine.config import EngineConfig
+from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.sampler import exponential_noise, sampling_probs
 from inferlab.engine.sequence import Sequence
-from inferlab.layers.attention import AttentionMetadata, allocate_kv_cache
-from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError
-
-if TYPE_CHECKING:
-    from inferlab.engine.llm_engine import LLMEngine
+from inferlab.layers.attention import allocate_kv_cache
+from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError, StepContext
 
 
 class DraftProposer(Proposer):
-    def __init__(self, engine: LLMEngine, num_speculative_tokens: int, draft_model: str | None, draft_layers: int | None,
-                 policy: SpecPolicy | None = None):
-        super().__init__(num_speculative_tokens, policy)
-        target = engine.runner.model
+    def __init__(self, runner: ModelRunner, tokenizer, config: EngineConfig, policy: SpecPolicy | None = None):
+        super().__init__(config.num_speculative_tokens, policy)
+        draft_model, draft_layers = config.draft_model, config.draft_layers
+        self.runner = runner
+        target = runner.model
         if draft_model is None:
             if draft_layers is None:
                 raise SpeculativeConfigError("--speculative draft needs --draft-model PATH or --draft-layers L")
             self.model, self.shared_kv = target, True
         else:
-            self.model, self.shared_kv = _load_draft(engine, draft_model), False
+            self.model, self.shared_kv = _load_draft(draft_model, runner, tokenizer, config), False
         n = self.model.config.num_layers
         self.num_layers = n if draft_layers is None else draft_layers
         if not 1 <= self.num_layers <= n:
@@ -49,7 +47,7 @@ class DraftProposer(Proposer):
         self._draft_cost = _weight_bytes(self.model, self.num_layers) / _weight_bytes(target, target.config.num_layers)
         self.kv_cache: torch.Tensor | None = None
         if not self.shared_kv:
-            r = engine.runner
+            r = runner
             self.kv_cache = allocate_kv_cache(self.model.model.layers[: self.num_layers], r.num_blocks, r.block_size,
                                               r.kv_cache.dtype, r.kv_cache.device)
         logging.getLogger("inferlab.engine").info(
@@ -64,11 +62,10 @@ class DraftProposer(Proposer):
     def kv_cache_bytes(self) -> int:
         return 0 if self.kv_cache is None else self.kv_cache.numel() * self.kv_cache.element_size()
 
-    def draft(self, engine: LLMEngine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        bm = engine.block_manager
+    def draft(self, seqs: list[Sequence], ks: list[int], ctx: StepContext) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in seqs]
         # The draft writes K/V up to position num_tokens + k - 2: those blocks must exist now. No room, no draft.
-        drafted = [i for i, (s, k) in enumerate(zip(seqs, ks)) if bm.allocate(s, s.num_tokens + k - 1)]
+        drafted = [i for i, (s, k) in enumerate(zip(seqs, ks)) if ctx.allocate(s, s.num_tokens + k - 1)]
         if not drafted:
             return out
         for i in drafted:
@@ -86,8 +83,8 @@ class DraftProposer(Proposer):
         chunks = [seqs[i].token_ids[start:] for i, start in zip(live, starts)]
         q: dict[int, list[torch.Tensor]] = {}
         while live:
-            logits = self._forward(engine, [bm.table(seqs[i].request_id) for i in live], starts, chunks)
-            tokens = self._sample(engine, [seqs[i] for i in live], logits, live, q)
+            logits = self._forward([ctx.block_table(seqs[i].request_id) for i in live], starts, chunks)
+            tokens = self._sample([seqs[i] for i in live], logits, live, q, ctx)
             nxt: tuple[list[int], list[int], list[list[int]]] = ([], [], [])
             for i, start, chunk, t in zip(live, starts, chunks, tokens):
                 out[i].append(t)
@@ -103,46 +100,29 @@ class DraftProposer(Proposer):
                 self.draft_probs[s.request_id] = torch.stack(q[i])
         return out
 
-    def _sample(self, engine: LLMEngine, seqs: list[Sequence], logits: torch.Tensor, index: list[int],
-                q: dict[int, list[torch.Tensor]]) -> list[int]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, index: list[int], q: dict[int, list[torch.Tensor]],
+                ctx: StepContext) -> list[int]:
         """Greedy requests get the draft's argmax; sampled ones a draw from the draft's q, kept in q[index[j]] for
         verification."""
         tokens = logits.argmax(dim=-1)
         sampled = [j for j, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             probs = sampling_probs(logits[sampled], [seqs[j].params for j in sampled])
-            gens = [engine._generators.get(seqs[j].request_id) for j in sampled]
+            gens = [ctx.generators.get(seqs[j].request_id) for j in sampled]
             tokens[sampled] = (probs / exponential_noise(tuple(probs.shape), gens, probs.device)).argmax(dim=-1)
             for row, j in enumerate(sampled):
                 q.setdefault(index[j], []).append(probs[row])
         return tokens.tolist()
 
     @torch.inference_mode()
-    def _forward(self, engine: LLMEngine, tables: list[list[int]], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
+    def _forward(self, tables: list[list[int]], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """One batched draft pass; chunks of one token first. Returns float32 logits at each chunk's last token."""
-        runner = engine.runner
-        bs, dev = runner.block_size, runner.device
-        B = len(chunks)
-        lens = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=B)
-        st = np.asarray(starts, dtype=np.int64)
-        cu = np.concatenate(([0], np.cumsum(lens)))
-        seq_of_token = np.repeat(np.arange(B), lens)
-        positions = np.arange(int(cu[-1])) - cu[:-1][seq_of_token] + st[seq_of_token]
-        bt = np.zeros((B, max(len(t) for t in tables)), dtype=np.int64)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = t
-        slots = bt[seq_of_token, positions // bs] * bs + positions % bs
-        ends = st + lens
-        d = int((lens == 1).sum())
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            num_decode_tokens=d,
-            decode=runner._group(bt[:d], st[:d], lens[:d], ends[:d]) if d else None,
-            extend=runner._group(bt[d:], st[d:], lens[d:], ends[d:]) if B > d else None,
-        )
+        lens = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=len(chunks))
+        positions, meta = self.runner.layout(tables, np.asarray(starts, dtype=np.int64), lens, int((lens == 1).sum()))
+        dev = self.runner.device
         ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=dev)
-        hidden = self.model.model(ids, torch.from_numpy(positions).to(dev), meta, num_layers=self.num_layers)
-        return self.model.lm_head(hidden[torch.from_numpy(cu[1:] - 1).to(dev)]).float()
+        hidden = self.model.model(ids, positions, meta, num_layers=self.num_layers)
+        return self.model.lm_head(hidden[torch.from_numpy(np.cumsum(lens) - 1).to(dev)]).float()
 
 
 def _weight_bytes(model, num_layers: int) -> int:
@@ -150,18 +130,17 @@ def _weight_bytes(model, num_layers: int) -> int:
     return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
 
 
-def _load_draft(engine: LLMEngine, path: str):
+def _load_draft(path: str, runner: ModelRunner, tokenizer, config: EngineConfig):
     """Load a draft model, refusing one whose vocabulary is not the target's: its token ids would mean other
     things. The vocabulary is checked before the weights are read."""
     from inferlab.models.config import read_model_config
     from inferlab.models.loader import load_model, load_tokenizer
 
-    n_draft, n_target = read_model_config(path).vocab_size, engine.model_config.vocab_size
+    n_draft, n_target = read_model_config(path).vocab_size, runner.model.config.vocab_size
     if n_draft != n_target:
-        raise ModelLoadError(f"draft model {path} has a vocabulary of {n_draft} tokens but the target "
-                             f"{engine.model_name} has {n_target}: a draft must use the target's tokenizer")
-    if load_tokenizer(path).get_vocab() != engine.tokenizer.get_vocab():
-        raise ModelLoadError(f"draft model {path} has as many tokens as the target {engine.model_name} but a "
-                             f"different vocabulary: a draft must use the target's tokenizer")
-    c = engine.config
-    return load_model(path, engine.dtype, engine.device, c.quantization, c.quant_group_size).model
+        raise ModelLoadError(f"draft model {path} has a vocabulary of {n_draft} tokens but the target model has "
+                             f"{n_target}: a draft must use the target's tokenizer")
+    if load_tokenizer(path).get_vocab() != tokenizer.get_vocab():
+        raise ModelLoadError(f"draft model {path} has as many tokens as the target model but a different "
+                             f"vocabulary: a draft must use the target's tokenizer")
+    return load_model(path, runner.kv_cache.dtype, runner.device, config.quantization, config.quant_group_size).model

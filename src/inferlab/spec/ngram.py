@@ -4,16 +4,11 @@ input (rewriting, summarising, editing code) and proposes nothing when there is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from inferlab.engine.sequence import Sequence
-from inferlab.spec.proposer import Proposer, SpecPolicy
-
-if TYPE_CHECKING:
-    from inferlab.engine.llm_engine import LLMEngine
+from inferlab.spec.proposer import Proposer, SpecPolicy, StepContext
 
 
 def find_ngram_proposal(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -38,6 +33,6 @@ class NgramProposer(Proposer):
         super().__init__(num_speculative_tokens, policy)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
 
-    def draft(self, engine: LLMEngine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def draft(self, seqs: list[Sequence], ks: list[int], ctx: StepContext) -> list[list[int]]:
         return [find_ngram_proposal(np.asarray(s.token_ids), self.ngram_min, self.ngram_max, k)
                 for s, k in zip(seqs, ks)]

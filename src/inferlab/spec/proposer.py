@@ -1,23 +1,22 @@
 """What every proposer shares: who speculates this step (the off switch), verification, and the counters.
 
-The engine calls `verify` right after a forward pass that scored proposals, and `propose` at the end of the step.
-A subclass only drafts tokens (`draft`), optionally with their distributions (`draft_probs`, for sampling).
+The engine calls `verify` right after a forward pass that scored proposals, and `propose` at the end of the step;
+the scheduler sets the proposals on the sequences and accounts for what was accepted. A proposer gets what it may
+read of the engine as arguments (`StepContext`) and owns only its own state: per-sequence acceptance, the drafts'
+distributions, and the speculation counters. A subclass only drafts tokens (`draft`), optionally with their
+distributions (`draft_probs`, for sampling).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from inferlab.common.errors import ModelLoadError
 from inferlab.engine.sequence import Sequence
 from inferlab.spec.verify import verify_proposals
-
-if TYPE_CHECKING:
-    from inferlab.engine.llm_engine import LLMEngine
-    from inferlab.engine.model_runner import StepInputs
 
 
 class SpeculativeConfigError(ModelLoadError):
@@ -74,12 +73,36 @@ class SeqSpecState:
     draft_computed: int = 0  # draft proposers with their own KV: leading tokens whose draft K/V are valid
 
 
+@dataclass(slots=True)
+class SpecCounters:
+    """Monotonic speculation counters, exported as vLLM's spec_decode metrics."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What a proposer may read of the engine at the end of a step, and the one thing it may ask of it: blocks for
+    the positions a draft model writes ahead of verification."""
+
+    waiting_tokens: int  # prompt tokens of requests not yet admitted
+    max_num_batched_tokens: int
+    max_model_len: int
+    generators: Mapping[str, torch.Generator]  # seeded requests' own random streams
+    block_table: Callable[[str], list[int]]
+    allocate: Callable[[Sequence, int], bool]  # grow a sequence's blocks to hold n tokens; False if none are free
+
+
 class Proposer:
     def __init__(self, num_speculative_tokens: int, policy: SpecPolicy | None = None):
         self.k = num_speculative_tokens
         self.policy = policy or SpecPolicy()
         self.states: dict[str, SeqSpecState] = {}
         self.draft_probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] q of its pending proposals
+        self.counters = SpecCounters()
         # The off switch, counted: steps where speculating would not pay, sequence-steps sat out for low acceptance.
         self.num_steps_skipped = 0
         self.num_seq_steps_cooling = 0
@@ -89,26 +112,26 @@ class Proposer:
         """One draft pass over a batch, as a fraction of a target pass over it (0: drafting needs no model)."""
         return 0.0
 
-    def draft(self, engine: LLMEngine, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+    def draft(self, seqs: list[Sequence], ks: list[int], ctx: StepContext) -> list[list[int]]:
         """Up to ks[i] proposed tokens for each sequence (may set self.draft_probs for sampled requests)."""
         raise NotImplementedError
 
     # -- called by the engine ---------------------------------------------------------------------------------
-    def propose(self, engine: LLMEngine, running: list[Sequence]) -> None:
-        """Set spec_token_ids on the running sequences that should speculate in the next step."""
+    def propose(self, running: list[Sequence], ctx: StepContext) -> dict[Sequence, list[int]]:
+        """Proposals for the running sequences that should speculate in the next step."""
         old, policy = self.states, self.policy
         self.states = {s.request_id: old.get(s.request_id) or SeqSpecState(policy.initial_accepted)
                        for s in running}
         self.draft_probs = {}
         # Only sequences that are decoding (all but the last token computed) speculate; the others still prefill,
         # and with the waiting ones they will likely fill the rest of the next step's token budget.
-        decoding, prefill = [], sum(s.num_tokens for s in engine.scheduler.waiting)
+        decoding, prefill = [], ctx.waiting_tokens
         for s in running:
             if s.num_computed_tokens == s.num_tokens - 1:
                 decoding.append(s)
             else:
                 prefill += s.num_tokens - s.num_computed_tokens
-        prefill = min(prefill, max(0, engine.scheduler.max_num_batched_tokens - len(decoding)))
+        prefill = min(prefill, max(0, ctx.max_num_batched_tokens - len(decoding)))
         seqs, ks = [], []
         for s in decoding:
             st = self.states[s.request_id]
@@ -119,7 +142,7 @@ class Proposer:
                     st.accepted = policy.initial_accepted
                 continue
             # All k accepted yields k + 1 tokens: never propose past max_tokens or the context length.
-            k = min(self.k, s.params.max_tokens - s.num_output_tokens - 1, engine.max_model_len - s.num_tokens - 1)
+            k = min(self.k, s.params.max_tokens - s.num_output_tokens - 1, ctx.max_model_len - s.num_tokens - 1)
             if k <= 0:
                 continue
             if not policy.pays(1, [st.accepted], [k], self.draft_cost, context_tokens=s.num_tokens):
@@ -128,47 +151,39 @@ class Proposer:
             seqs.append(s)
             ks.append(k)
         if self.draft_cost == 0 and seqs:  # free to draft: decide on what was actually proposed
-            proposals = self.draft(engine, seqs, ks)
+            proposals = self.draft(seqs, ks, ctx)
             ks = [len(p) for p in proposals]
         if not any(ks):
-            return
+            return {}
         if not policy.pays(len(decoding), [self.states[s.request_id].accepted for s in seqs], ks, self.draft_cost,
                            prefill, sum(s.num_tokens for s in decoding)):
             self.num_steps_skipped += 1
-            return
+            return {}
         if self.draft_cost > 0:
-            proposals = self.draft(engine, seqs, ks)
-        for s, proposal in zip(seqs, proposals):
-            s.spec_token_ids = proposal
+            proposals = self.draft(seqs, ks, ctx)
+        return {s: p for s, p in zip(seqs, proposals) if p}
 
-    def verify(self, engine: LLMEngine, inputs: StepInputs, logits: torch.Tensor) -> list[list[int]]:
-        """Tokens to append for each of inputs.sample_seqs: accepted proposals + the target's next token."""
-        seqs = inputs.sample_seqs
-        proposals = [list(s.spec_token_ids) for s in seqs]
+    def verify(self, logits: torch.Tensor, logits_per_seq: list[int], seqs: list[Sequence],
+               generators: Mapping[str, torch.Generator]) -> list[list[int]]:
+        """Tokens to append for each sequence that sampled: accepted proposals + the target's next token."""
+        proposals = [s.spec_token_ids for s in seqs]
         results = verify_proposals(
-            logits, inputs.logits_per_seq, proposals,
+            logits, logits_per_seq, proposals,
             [self.draft_probs.get(s.request_id) if s.spec_token_ids else None for s in seqs],
-            [s.params for s in seqs], [engine._generators.get(s.request_id) for s in seqs])
+            [s.params for s in seqs], [generators.get(s.request_id) for s in seqs])
         self.draft_probs = {}
-        c = engine.stats_counters
+        c = self.counters
         for s, proposal, (a, _) in zip(seqs, proposals, results):
             k = len(proposal)
             if not k:
                 continue
-            # The target computed the last token and the accepted proposals; the K/V at rejected positions is
-            # garbage that nobody attends to and the next writes overwrite. Blocks past what is kept go back.
-            s.num_computed_tokens += 1 + a
-            s.spec_token_ids = []
-            engine.block_manager.trim(s, s.num_computed_tokens + 1)
-            s.spec_proposed += k
-            s.spec_accepted += a
-            c.spec_num_drafts_total += 1
-            c.spec_num_draft_tokens_total += k
-            c.spec_num_accepted_tokens_total += a
-            if len(c.spec_accepted_per_pos_total) < k:
-                c.spec_accepted_per_pos_total.extend([0] * (k - len(c.spec_accepted_per_pos_total)))
+            c.num_drafts += 1
+            c.num_draft_tokens += k
+            c.num_accepted_tokens += a
+            if len(c.accepted_per_pos) < k:
+                c.accepted_per_pos.extend([0] * (k - len(c.accepted_per_pos)))
             for j in range(a):
-                c.spec_accepted_per_pos_total[j] += 1
+                c.accepted_per_pos[j] += 1
             st = self.states.get(s.request_id)
             if st is not None:
                 w = self.policy.ema_weight
