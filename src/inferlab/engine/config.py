@@ -59,7 +59,8 @@ class EngineConfig:
         "CPU bf16: keep a packed bf16 copy of each weight (dequantized for int8/int4) for steps of many tokens "
         "(faster, more memory)"))
     num_threads: int | None = field(default=None, metadata=_flag("torch intra-op threads (default: torch's)"))
-    seed: int = field(default=0, metadata=_flag("seed for requests that set none"))
+    seed: int = field(default=0, metadata=_flag(
+        "seed of the random stream shared by requests that set no seed of their own (as vLLM's --seed)"))
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -48,6 +48,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)  # unseeded requests draw from torch's global stream
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_step_buffers()
