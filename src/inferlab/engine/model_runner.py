@@ -95,6 +95,31 @@ class ModelRunner:
                                  extend=extend, causal_only=bool(causal_only))
         return torch.from_numpy(positions).to(dev), meta
 
+    def _group(self, bt: np.ndarray, starts: np.ndarray, lens: np.ndarray, ends: np.ndarray) -> AttentionGroup:
+        bs = self.block_size
+        nblk = int(-(-ends.max() // bs))
+        bt = bt[:, :nblk]
+        max_q = int(lens.max())
+        L = nblk * bs
+        q_i = np.minimum(np.arange(max_q)[None, :], lens[:, None] - 1)  # padded queries repeat the last real one
+        key = np.arange(L)[None, None, :]
+        # query i of a sequence sits at position start + i and may see keys 0..start+i.
+        mask = key <= (starts[:, None] + q_i)[:, :, None]
+        dev = self.device
+        q_index = out_index = None
+        if max_q > 1:
+            cu = np.concatenate(([0], np.cumsum(lens)[:-1]))
+            q_index = torch.from_numpy(cu[:, None] + q_i).to(dev)
+            valid = np.arange(max_q)[None, :] < lens[:, None]
+            out_index = torch.from_numpy(np.flatnonzero(valid)).to(dev)
+        return AttentionGroup(
+            block_tables=torch.from_numpy(np.ascontiguousarray(bt)).to(dev),
+            mask=torch.from_numpy(mask[:, None]).to(dev),
+            q_index=q_index,
+            out_index=out_index,
+            context_lens=torch.from_numpy(np.ascontiguousarray(ends, dtype=np.int64)).to(dev),
+        )
+
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
         """Run the forward pass; return float32 logits for inputs.logits_index rows (None if nobody samples)."""

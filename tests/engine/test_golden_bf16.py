@@ -1,0 +1,27 @@
+"""The default bf16 path keeps its recorded greedy outputs (see golden_bf16.py for how they are made)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from golden_bf16 import GOLDEN, engine_path, generate
+
+
+@pytest.fixture(scope="module")
+def llm_default():
+    from inferlab import LLM
+
+    return LLM()
+
+
+def test_default_engine_reproduces_recorded_greedy_outputs(llm_default):
+    recorded = json.loads(GOLDEN.read_text())
+    if engine_path(llm_default) != recorded["path"]:
+        pytest.skip(f"this machine takes another numeric path ({engine_path(llm_default)}) than the recording "
+                    f"({recorded['path']})")
+    got = generate(llm_default)
+    assert got["batched"] == recorded["batched"]
+    assert got["alone"] == recorded["alone"]
+    assert all(len(t) == 64 for t in got["alone"])
