@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from inferlab.bench.arrivals import gap_cv, rng_for, schedule, worker_schedules
+from inferlab.bench.arrivals import rng_for, schedule, worker_schedules
+
+
+def gap_cv(times: np.ndarray) -> float:
+    """Coefficient of variation of the gaps between sorted arrival times."""
+    g = np.diff(np.sort(times))
+    return float(g.std() / g.mean())
 
 
 def achieved_rate(t: np.ndarray) -> float:

@@ -11,7 +11,7 @@ from inferlab.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_card_with_command_server_runs_its_workload(tmp_path, monkeypatch):
+def test_card_with_command_server_runs_its_workload(tmp_path):
     text = (ROOT / "examples" / "card-cpu.yaml").read_text()
     text = text[: text.index("\nserver:")] + (
         "\nserver:\n  kind: command\n"
@@ -21,9 +21,10 @@ def test_card_with_command_server_runs_its_workload(tmp_path, monkeypatch):
     card.write_text(text)
     out = tmp_path / "out"
     argv = ["bench", "--card", str(card), "--num-requests", "6", "--output-dir", str(out), "--quiet", "--no-html"]
-    monkeypatch.setattr(sys, "argv", ["inferlab", *argv])
-    assert main(argv) in (0, 1)  # 1 only if the fake server missed the card's SLOs
+    # The fake server's 20 ms TTFT and 5 ms per token meet the card's objectives (TTFT p99 2 s, TPOT p99 120 ms).
+    assert main(argv) == 0
     res = json.loads((out / "results.json").read_text())
+    assert res["slo_passed"] is True
     from inferlab.lab.card import load_card
 
     c = load_card(card)

@@ -4,8 +4,7 @@ sample message, kept out of latency statistics, and the run goes on."""
 import httpx
 import pytest
 
-from inferlab.bench.embedded import EmbeddedServer, free_port
-from inferlab.bench.client import BenchError
+from inferlab.bench.launcher import free_port
 from inferlab.bench.records import read_records
 
 
@@ -58,10 +57,12 @@ def test_a_stalled_stream_times_out(fake, bench):
     assert "1 s" in run["errors"]["timeout"]["sample"]
 
 
-def test_the_embedded_server_path_fails_with_a_clear_message(tmp_path):
-    # A flag `inferlab serve` cannot know: whether or not the server exists yet, bench must stop with a message
-    # that says what happened, not hang or crash.
-    server = EmbeddedServer(["--no-such-flag-for-bench-tests"], tmp_path / "server.log", timeout=120)
-    with pytest.raises(BenchError, match="not available in this build|exited with code"):
-        server.start()
-    assert server.proc.poll() is not None
+def test_the_embedded_server_path_fails_with_a_clear_message(bench, capsys):
+    # A flag `inferlab serve` cannot know: bench must stop with the server's own complaint, not hang or crash.
+    rc, res, out = bench("--serve-args=--no-such-flag-for-bench-tests", "--server-timeout", "120",
+                         "--num-requests", "1")
+    err = capsys.readouterr().err
+    assert rc == 2 and res is None
+    assert "exited with code 2 before it was ready" in err
+    assert "unrecognized arguments: --no-such-flag-for-bench-tests" in err  # the tail of its log
+    assert (out / "server.log").exists()

@@ -9,6 +9,7 @@ import pytest
 from inferlab.bench import metrics, slo
 from inferlab.bench.records import RequestRecord
 from inferlab.bench.summary import summarize
+from inferlab.common.units import UnitError, parse_duration
 
 
 def rec(sent=0.0, times=(), toks=(), end=None, scheduled=None, out=None, **kw) -> RequestRecord:
@@ -151,14 +152,19 @@ def test_assert_slo_helper():
 
 
 def test_slo_parsing_errors_name_the_problem():
-    with pytest.raises(slo.SLOError, match="unit"):
-        slo.parse_duration("500")
+    with pytest.raises(UnitError, match="has no unit"):
+        parse_duration("500")
+    with pytest.raises(UnitError, match="--slo ttft: '500' has no unit; write e.g. '500ms' or '500s'"):
+        slo.parse_slos(["ttft=500"])
+    with pytest.raises(slo.SLOError, match="cannot be negative"):
+        slo.parse_slos(["ttft=-5ms"])
+    assert slo.parse_slos(["ttft=500ms", "e2e=2m"]) == {"ttft": 0.5, "e2e": 120.0}
     with pytest.raises(slo.SLOError, match="unknown metric"):
         slo.parse_slos(["latency=1s"])
     with pytest.raises(slo.SLOError, match="METRIC=DURATION"):
         slo.parse_slos(["ttft"])
-    assert slo.parse_duration("50us") == pytest.approx(5e-5)
-    assert slo.parse_duration("2m") == 120
+    assert parse_duration("50us") == pytest.approx(5e-5)
+    assert parse_duration("2m") == 120
     assert slo.parse_percentile("99") == "p99"
 
 

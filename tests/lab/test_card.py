@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inferlab.lab.card import CardError, card_from_dict, card_schema, config_flags, evaluate, load_card, stat_at
+from inferlab.lab.card import CardError, card_from_dict, card_schema, evaluate, load_card, stat_at
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "card-chat.yaml"
 
@@ -184,7 +184,3 @@ def test_evaluate_against_a_run_summary():
     assert checks["error rate <= 1.00%"].passed is True
     assert stat_at({"p50": None, "cdf": []}, "p50") == (None, "")
 
-
-def test_config_flags():
-    assert config_flags({"max_num_seqs": 8, "enable_prefix_caching": False, "x": True, "y": None}) == [
-        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--x"]

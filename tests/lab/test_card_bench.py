@@ -4,13 +4,15 @@ and the run is checked against the card's objectives and diagnosed: the lab's lo
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
+import urllib.request
 
 import pytest
 
-from inferlab.lab.card import bench_slo_percentile, card_from_dict, evaluate, to_bench_config
+from inferlab.bench.benchmark import Benchmark
+from inferlab.lab.card import ServerSpec, bench_slo_percentile, card_from_dict, evaluate, start_server, to_bench_config
 from inferlab.lab.diagnose import diagnose
-from inferlab.lab.launcher import start_server
 
 CARD = {
     "name": "fake",
@@ -44,14 +46,24 @@ def test_bench_config_from_card():
     assert (ld.kind, ld.value, ld.arrival, ld.burstiness, ld.max_concurrency) == ("rate", 2.0, "gamma", 0.5, 4)
     assert cfg.workload.input_len.describe() == "uniform:8,32"
     assert cfg.base_url is None and cfg.serve_args == ["--max-num-seqs", "4"]
+    assert cfg.server_timeout == 300.0  # the card's ready_timeout (its default) bounds bench's server start
+    odd = card_from_dict({**CARD, "traffic": {"arrival": "poisson", "rate": "7/min"}, "server": {}})
+    assert to_bench_config(odd).loads[0].value == 7 / 60  # exactly the card's rate, not a rounded one
     assert bench_slo_percentile(card_from_dict({**CARD, "objectives": {"ttft": {"p99.9": "1s"}}}).objectives) == "p99"
     assert bench_slo_percentile(card_from_dict({**CARD, "objectives": {"ttft": {"max": "1s"}}}).objectives) == "max"
 
 
-def test_card_runs_through_bench_on_the_fake_server(tmp_path):
-    pytest.importorskip("inferlab.bench.benchmark")
-    from inferlab.bench.benchmark import Benchmark
+def test_start_server_from_a_card_command(tmp_path):
+    spec = ServerSpec(kind="command", command=f"{sys.executable} -m inferlab fake-server --port {{port}}",
+                      config={"model": "stand-in", "ttft": "5ms"}, ready_timeout=120.0)
+    with start_server(spec, log_path=tmp_path / "e.log") as srv:
+        assert srv.argv[-4:] == ["--model", "stand-in", "--ttft", "5ms"]  # the config became flags
+        with urllib.request.urlopen(srv.base_url + "/v1/models", timeout=10) as r:
+            assert json.load(r)["data"][0]["id"] == "stand-in"
+    assert srv.process.poll() is not None
 
+
+def test_card_runs_through_bench_on_the_fake_server(tmp_path):
     card = card_from_dict(CARD)
     with start_server(card.server, log_path=tmp_path / "engine.log") as srv:
         cfg = to_bench_config(card, base_url=srv.base_url, output_dir=tmp_path / "bench")

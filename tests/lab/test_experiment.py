@@ -11,8 +11,8 @@ import pytest
 
 from inferlab.lab.card import card_from_dict
 from inferlab.lab.experiment import (Experiment, ExperimentError, PointResult, Variation, parse_vary,
-                                     plan_configs, quality_checks)
-from inferlab.lab.report import rank, render, verdict
+                                     plan_configs, quality_checks, rank, verdict)
+from inferlab.lab.report import render
 
 FAKE_CARD = {
     "name": "fake-exp",
@@ -131,7 +131,6 @@ def test_failed_start_is_recorded_and_reported(tmp_path):
 def test_experiment_on_the_bundled_model(tmp_path):
     """Two tiny configs of inferlab's own server on the bundled model, through the CLI; quality is skipped (the
     eval tests cover it) so the test stays bounded by two server starts and a few short requests."""
-    pytest.importorskip("inferlab.engine.llm_engine")
     from inferlab.cli import main
     from inferlab.common.bundled import bundled_model_path
 
@@ -163,7 +162,7 @@ def test_experiment_on_the_bundled_model(tmp_path):
 def test_quality_from_a_real_eval_report(tmp_path):
     """The adapter reads what `inferlab eval` writes (built here with eval's own functions); a config that
     differs from the baseline only in speed options takes the baseline's eval without running one."""
-    ev = pytest.importorskip("inferlab.lab.eval")
+    from inferlab.lab import eval as ev
     from inferlab.lab.experiment import ConfigPoint, eval_quality, quality_config, quality_from_eval
 
     agr = ev.greedy_agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]], 3)

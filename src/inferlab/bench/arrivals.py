@@ -93,9 +93,3 @@ def worker_schedules(
         out.append(schedule(rate / workers, kind, burstiness, n=nw, duration=duration,
                             rng=rng_for(seed, STREAM_ARRIVALS, run, w), phase=w / workers))
     return out
-
-
-def gap_cv(times: np.ndarray) -> float:
-    """Coefficient of variation of the gaps between sorted arrival times."""
-    g = np.diff(np.sort(times))
-    return float(g.std() / g.mean())

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from inferlab.bench import arrivals, summary as summary_mod
 from inferlab.bench.client import BenchError, Target, make_session, preflight
-from inferlab.bench.embedded import EmbeddedServer
+from inferlab.bench.launcher import LaunchError, RunningServer, free_port, inferlab_argv, launch
 from inferlab.bench.http import Pool
 from inferlab.bench.records import RequestRecord, read_records
 from inferlab.bench.runner import Load, WorkerPlan, install_stop, run_processes, run_worker
@@ -97,7 +97,7 @@ class Benchmark:
         self.out = cfg.output_dir
         self.records_path = self.out / "records.jsonl"
         self.tokenizer = None
-        self.server: EmbeddedServer | None = None
+        self.server: RunningServer | None = None
         self.results: dict = {}
 
     # --- workload -------------------------------------------------------------------------------------------
@@ -233,7 +233,8 @@ class Benchmark:
             "argv": cfg.argv,
             "start_time": dt.datetime.now(dt.timezone.utc).isoformat(),
             "target": {"base_url": cfg.target.base_url, "endpoint": cfg.target.endpoint, "model": cfg.target.model,
-                       "embedded_server": self.server.describe() if self.server else None,
+                       "embedded_server": {"command": self.server.argv, "log": str(self.server.log_path)}
+                       if self.server else None,
                        "stream": cfg.target.stream, "ignore_eos": cfg.target.ignore_eos,
                        "usage_stats_requested": cfg.target.usage_stats},
             "models": models,
@@ -261,6 +262,18 @@ class Benchmark:
         os.replace(tmp, path)
         return path
 
+    def start_server(self) -> RunningServer:
+        """With no --base-url: inferlab's own server, on a free loopback port, in a child process."""
+        port = free_port()
+        argv = inferlab_argv(port) + self.cfg.serve_args
+        if not self.cfg.quiet:
+            print(f"starting inferlab's server: {shlex.join(argv)}", file=sys.stderr)
+        try:
+            return launch(argv, port, ready_timeout=self.cfg.server_timeout, log_path=self.out / "server.log")
+        except LaunchError as e:
+            raise LaunchError(f"{e}\n  (raise --server-timeout, or start a server yourself and pass --base-url)",
+                              e.server) from None
+
     async def run(self) -> BenchOutcome:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
@@ -276,10 +289,8 @@ class Benchmark:
         stop = asyncio.Event()
         install_stop(asyncio.get_running_loop(), stop)
         if cfg.base_url is None:
-            self.server = EmbeddedServer(cfg.serve_args, self.out / "server.log", cfg.server_timeout)
-            if not cfg.quiet:
-                print(f"starting inferlab's server: {shlex.join(self.server.command)}", file=sys.stderr)
-            cfg.target.base_url = await asyncio.get_running_loop().run_in_executor(None, self.server.start)
+            self.server = await asyncio.get_running_loop().run_in_executor(None, self.start_server)
+            cfg.target.base_url = self.server.base_url
         try:
             async with make_session() as session:
                 models = await preflight(session, cfg.target)

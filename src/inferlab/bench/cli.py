@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from inferlab.bench.arrivals import ARRIVALS
+from inferlab.common.units import parse_duration
 
 
 def _positive_int(text: str) -> int:
@@ -40,15 +41,7 @@ def _rate(text: str) -> float:
 
 
 def _seconds(text: str) -> float:
-    from inferlab.bench.slo import SLOError, parse_duration
-
-    try:
-        v = float(text)
-    except ValueError:
-        try:
-            v = parse_duration(text)
-        except SLOError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+    v = parse_duration(text, "duration", bare="s")  # these flags were always seconds: --timeout 600
     if not v > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return v
@@ -78,11 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 "  inferlab bench --base-url http://localhost:8000 --concurrency 16 --num-requests 200\n"
                 "  inferlab bench --base-url http://localhost:8000 --rate 4 --duration 60s --slo ttft=500ms --slo tpot=50ms\n"
                 "  inferlab bench --base-url http://localhost:8000 --sweep auto --slo ttft=1s\n"
-                "  inferlab bench            # starts inferlab's own server on the bundled model and measures it")
+                "  inferlab bench            # starts inferlab's own server on the bundled model and measures it\n"
+                "  inferlab bench --card card.yaml   # a workload card's run (the lab's); flags beside it override it")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     t = p.add_argument_group("target")
-    t.add_argument("--card", default=None, help="a workload card (YAML): run exactly its workload, load and SLOs "
-                                                "against its server; flags given beside it override the card's")
     t.add_argument("--base-url", default=None, help="server to measure, e.g. http://localhost:8000 "
                                                     "(default: start inferlab's server on a free loopback port)")
     t.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -241,44 +233,14 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
     )
 
 
-def _with_card(args: argparse.Namespace, argv: list[str]):
-    """Re-parse with the card's flags first and the user's after them (later flags win). A card whose server is
-    a command template is started here (lab.launcher) and stopped when the run ends."""
-    from inferlab.lab.card import card_bench_argv, load_card
-    from inferlab.lab.launcher import start_server
-
-    card = load_card(args.card)
-    server = None
-    base_url = None
-    if card.server.kind not in ("inferlab", "endpoint") and args.base_url is None:
-        server = start_server(card.server)
-        base_url = server.base_url
-    parser = argparse.ArgumentParser(prog="inferlab bench")
-    add_arguments(parser)
-    user = [a for a in argv if a != "--card" and a != args.card and not a.startswith("--card=")]
-    return parser.parse_args(card_bench_argv(card, base_url=base_url) + user), server
-
-
 def run(args: argparse.Namespace) -> int:
     from inferlab.bench.benchmark import Benchmark
     from inferlab.bench.client import BenchError
+    from inferlab.bench.launcher import LaunchError
     from inferlab.bench.slo import SLOError
     from inferlab.bench.tokenizer import TokenizerError
     from inferlab.bench.workload import WorkloadError
 
-    if args.card:
-        from inferlab.lab.card import CardError
-        from inferlab.lab.launcher import LaunchError
-
-        try:
-            args, server = _with_card(args, sys.argv[2:])
-        except (CardError, LaunchError, ValueError) as e:
-            return _fail(str(e))
-        try:
-            return run(args)
-        finally:
-            if server is not None:
-                server.stop()
     try:
         cfg = build_config(args)
     except (ValueError, SLOError) as e:
@@ -289,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     loop = make_loop()
     try:
         outcome = loop.run_until_complete(Benchmark(cfg).run())
-    except (BenchError, TokenizerError, WorkloadError) as e:
+    except (BenchError, LaunchError, TokenizerError, WorkloadError) as e:
         return _fail(str(e))
     finally:
         loop.close()

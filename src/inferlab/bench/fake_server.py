@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from inferlab.bench.http import enable_receive_stamps, kernel_receive_time
+from inferlab.bench.http import StampedSocket
 
 # Common words that are single tokens in GPT-2-style and Llama-style vocabularies, so a tokenizer counts one
 # token per word of the fake output.
@@ -433,30 +433,19 @@ _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found"
 
 # A request's arrival is the kernel's receive time of its first bytes, not when this process got round to
 # reading them, so the server's own backlog is never counted against the client being measured.
-_CMSG_SPACE = socket.CMSG_SPACE(16) if hasattr(socket, "CMSG_SPACE") else 0
-
-
-class _Conn:
-    """One HTTP/1.1 connection on a non-blocking socket: keep-alive, Content-Length bodies, chunked SSE
-    responses. Raw sockets rather than an asyncio transport, for recvmsg's receive timestamps."""
+class _Conn(StampedSocket):
+    """One HTTP/1.1 connection: keep-alive, Content-Length bodies, chunked SSE responses. A raw socket rather
+    than an asyncio transport, for recvmsg's receive timestamps."""
 
     def __init__(self, server: FakeServer, sock: socket.socket):
         self.server = server
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.loop = server._loop
         self.buf = b""
-        self.out = bytearray()
-        self.closed = False
         self.first_byte = 0.0
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small SSE writes must not wait for Nagle
-        enable_receive_stamps(sock)
-        self.loop.add_reader(self.fd, self._readable)
+        super().__init__(sock, server._loop)
 
     def _readable(self) -> None:
         try:
-            data, anc, _, _ = self.sock.recvmsg(1 << 18, _CMSG_SPACE)
+            data, t = self.receive(1 << 18)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -464,7 +453,7 @@ class _Conn:
         if not data:
             return self.close()
         if not self.buf:
-            self.first_byte = kernel_receive_time(anc)  # a request's arrival: its first byte, before any parsing
+            self.first_byte = t  # a request's arrival: its first byte, before any parsing
         self.buf += data
         while not self.closed:
             head_end = self.buf.find(b"\r\n\r\n")
@@ -487,50 +476,26 @@ class _Conn:
             self.buf = self.buf[head_end + 4 + length:]
             self.server.handle(self, method, target, headers, body, self.first_byte)
 
-    def _write(self, data: bytes) -> None:
-        if self.closed:
-            return
-        if self.out:  # earlier bytes still wait for the socket: keep the order
-            self.out += data
-            return
-        try:
-            n = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError:
-            return self.close()
-        if n < len(data):
-            self.out += data[n:]
-            self.loop.add_writer(self.fd, self._writable)
-
-    def _writable(self) -> None:
-        try:
-            n = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            return self.close()
-        del self.out[:n]
-        if not self.out:
-            self.loop.remove_writer(self.fd)
+    def _lost(self) -> None:
+        self.close()
 
     def send_raw(self, status: int, body: bytes, ctype: str) -> None:
         head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {ctype}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n")
-        self._write(head.encode() + body)
+        self.write(head.encode() + body)
 
     def send_json(self, status: int, obj: dict) -> None:
         self.send_raw(status, json.dumps(obj).encode(), "application/json")
 
     def start_chunks(self) -> None:
-        self._write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+        self.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                     b"Transfer-Encoding: chunked\r\nConnection: keep-alive\r\n\r\n")
 
     def send_chunk(self, data: bytes) -> None:
-        self._write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     def end_chunks(self) -> None:
-        self._write(b"0\r\n\r\n")
+        self.write(b"0\r\n\r\n")
 
     def abort(self) -> None:
         """Drop the connection as a crashed server would: a reset, unsent bytes discarded."""
@@ -542,11 +507,5 @@ class _Conn:
         self.close()
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.loop.remove_reader(self.fd)
-        if self.out:
-            self.loop.remove_writer(self.fd)
-        self.server._conns.discard(self)
-        self.sock.close()
+        if self._close_socket():
+            self.server._conns.discard(self)

@@ -6,14 +6,7 @@ import argparse
 import asyncio
 import sys
 
-
-def _duration(text: str) -> float:
-    from inferlab.bench.slo import SLOError, parse_duration
-
-    try:
-        return parse_duration(text)
-    except SLOError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+from inferlab.common.units import parse_duration as _duration
 
 
 def _faults(text: str) -> dict[str, float]:

@@ -8,7 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from inferlab.bench.report import LABELS, STATS, _ms
+from inferlab.bench.report import LABELS, STATS
+from inferlab.common.units import format_ms
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
            "#bcbd22")
@@ -131,7 +132,7 @@ def _table(run: dict) -> str:
     for m, label in LABELS.items():
         st = run["latency"][m]
         if st["count"]:
-            rows.append(f"<tr><td>{label}</td>" + "".join(f"<td>{_ms(st[s])}</td>" for s in STATS)
+            rows.append(f"<tr><td>{label}</td>" + "".join(f"<td>{format_ms(st[s], unit=False)}</td>" for s in STATS)
                         + f"<td>{st['count']}</td></tr>")
     return "<table>" + "".join(rows) + "</table>"
 

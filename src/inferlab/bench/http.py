@@ -229,47 +229,38 @@ def enable_receive_stamps(sock: socket.socket) -> bool:
         return False
 
 
-class _RawConn:
-    """A plain-HTTP connection on a non-blocking socket read with recvmsg, so every block of bytes carries the
-    kernel's receive time: a client busy with other streams does not delay its own stamps."""
+class StampedSocket:
+    """A non-blocking TCP socket, read by the subclass with recvmsg (each read carries the kernel's receive
+    stamp) and written in order: what the kernel does not take at once waits in `out` until the socket is
+    writable. Both ends of a measurement use it: bench's connections and the fake server's."""
 
-    __slots__ = ("pool", "sock", "fd", "loop", "exchange", "alive", "reused", "out")
+    __slots__ = ("sock", "fd", "loop", "out", "closed")
 
-    def __init__(self, pool: "Pool", sock: socket.socket, loop: asyncio.AbstractEventLoop):
-        self.pool, self.sock, self.loop = pool, sock, loop
-        self.fd = sock.fileno()
-        self.exchange: Exchange | None = None
-        self.alive = True
-        self.reused = False  # carried an earlier response: the server may have closed it as we wrote
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        self.sock, self.loop, self.fd = sock, loop, sock.fileno()
         self.out = bytearray()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.closed = False
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small writes must not wait for Nagle
         enable_receive_stamps(sock)
         loop.add_reader(self.fd, self._readable)
 
     def _readable(self) -> None:
-        ex = self.exchange
-        while True:  # read what is waiting, chunk by chunk, each read with its own receive stamp
-            n = ex.want() if ex is not None else 1 << 16
-            try:
-                if ex is not None and not ex.in_body:  # the head: read up to its blank line, not into the body
-                    peek = self.sock.recv(4096, socket.MSG_PEEK)
-                    end = peek.find(b"\r\n\r\n")
-                    n = end + 4 if end >= 0 else max(len(peek), 1)
-                data, anc, _, _ = self.sock.recvmsg(n, _CMSG_SPACE)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return self._lost()
-            if not data:
-                return self._lost()
-            if ex is None:  # bytes nobody asked for: the connection cannot be trusted
-                return self._lost()
-            ex.feed(kernel_receive_time(anc), data)
-            if len(data) < n or ex.done.done() or self.exchange is not ex:
-                return
+        raise NotImplementedError
+
+    def _lost(self) -> None:
+        """The connection failed (a send or receive raised, or the peer closed it)."""
+        raise NotImplementedError
+
+    def receive(self, n: int) -> tuple[bytes, float]:
+        """Up to n bytes and the time they reached the socket (raises BlockingIOError when none wait)."""
+        data, anc, _, _ = self.sock.recvmsg(n, _CMSG_SPACE)
+        return data, kernel_receive_time(anc)
 
     def write(self, data: bytes) -> None:
-        if self.out:
+        if self.closed:
+            return self._lost()
+        if self.out:  # earlier bytes still wait for the socket: keep the order
             self.out += data
             return
         try:
@@ -293,8 +284,54 @@ class _RawConn:
         if not self.out:
             self.loop.remove_writer(self.fd)
 
+    def _close_socket(self) -> bool:
+        """Stop watching and close the socket; False when it was closed already."""
+        if self.closed:
+            return False
+        self.closed = True
+        self.loop.remove_reader(self.fd)
+        if self.out:
+            self.loop.remove_writer(self.fd)
+        self.sock.close()
+        return True
+
+
+class _RawConn(StampedSocket):
+    """A plain-HTTP connection read with recvmsg, so every block of bytes carries the kernel's receive time: a
+    client busy with other streams does not delay its own stamps."""
+
+    __slots__ = ("pool", "exchange", "reused")
+
+    def __init__(self, pool: "Pool", sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        self.pool = pool
+        self.exchange: Exchange | None = None
+        self.reused = False  # carried an earlier response: the server may have closed it as we wrote
+        super().__init__(sock, loop)
+
+    def _readable(self) -> None:
+        ex = self.exchange
+        while True:  # read what is waiting, chunk by chunk, each read with its own receive stamp
+            n = ex.want() if ex is not None else 1 << 16
+            try:
+                if ex is not None and not ex.in_body:  # the head: read up to its blank line, not into the body
+                    peek = self.sock.recv(4096, socket.MSG_PEEK)
+                    end = peek.find(b"\r\n\r\n")
+                    n = end + 4 if end >= 0 else max(len(peek), 1)
+                data, t = self.receive(n)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return self._lost()
+            if not data:
+                return self._lost()
+            if ex is None:  # bytes nobody asked for: the connection cannot be trusted
+                return self._lost()
+            ex.feed(t, data)
+            if len(data) < n or ex.done.done() or self.exchange is not ex:
+                return
+
     def usable(self) -> bool:
-        return self.alive
+        return not self.closed
 
     def _lost(self) -> None:
         ex = self.exchange
@@ -303,13 +340,7 @@ class _RawConn:
             ex.closed()
 
     def abort(self) -> None:
-        if not self.alive:
-            return
-        self.alive = False
-        self.loop.remove_reader(self.fd)
-        if self.out:
-            self.loop.remove_writer(self.fd)
-        self.sock.close()
+        self._close_socket()
 
 
 class _Conn(asyncio.Protocol):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import Iterator
 
 # Where a chunk's token count came from, best first.
 TOKEN_SOURCES = ("usage", "tokenizer", "chunks")
@@ -65,11 +65,6 @@ class RequestRecord:
 
 
 _FIELDS = tuple(f.name for f in fields(RequestRecord))
-
-
-def write_records(records: Iterable[RequestRecord], f: IO[str]) -> None:
-    for r in records:
-        f.write(r.to_json() + "\n")
 
 
 def read_records(path: str | Path) -> Iterator[RequestRecord]:

@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 from inferlab.bench.metrics import TIME_METRICS
+from inferlab.common.units import format_ms
 
 LABELS = {
     "ttft": "TTFT",
@@ -18,14 +19,6 @@ LABELS = {
     "client_delay": "Client delay",
 }
 STATS = ("mean", "std", "p50", "p90", "p95", "p99", "max")
-
-
-def _ms(v) -> str:
-    """Milliseconds with about four significant digits."""
-    if v is None:
-        return "-"
-    ms = v * 1e3
-    return f"{ms:.3f}" if abs(ms) < 10 else f"{ms:.2f}" if abs(ms) < 100 else f"{ms:.1f}" if abs(ms) < 1000 else f"{ms:.0f}"
 
 
 def flat_row(run: dict) -> dict:
@@ -72,7 +65,7 @@ def run_table(run: dict):
         st = run["latency"][m]
         if not st["count"]:
             continue
-        t.add_row(LABELS[m], *(_ms(st[s]) for s in STATS), str(st["count"]))
+        t.add_row(LABELS[m], *(format_ms(st[s], unit=False) for s in STATS), str(st["count"]))
     return t
 
 
@@ -144,9 +137,10 @@ def print_results(results: dict, console=None) -> None:
             lat = run["latency"]
             g = run["goodput"]
             st.add_row(run["load"]["label"], f"{run['throughput']['requests_per_s']:.2f}",
-                       f"{run['throughput']['output_tokens_per_s']:.1f}", _ms(lat["ttft"]["p50"]), _ms(lat["ttft"]["p99"]),
-                       _ms(lat["tpot"]["p50"]), _ms(lat["tpot"]["p99"]), _ms(lat["e2e"]["p99"]),
-                       f"{g['share']:.0%}" if g else "-", str(run["counts"]["failed"]))
+                       f"{run['throughput']['output_tokens_per_s']:.1f}",
+                       *(format_ms(lat[m][s], unit=False) for m, s in (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"),
+                                                                       ("tpot", "p99"), ("e2e", "p99"))),
+                       f"{g['share']:.0%}" if g else "–", str(run["counts"]["failed"]))
         con.print()
         con.print(st)
         sat = sweep["saturation"]

@@ -7,31 +7,26 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from inferlab.bench import metrics
 from inferlab.bench.records import RequestRecord
+from inferlab.common.units import UnitError, format_ms, parse_duration
 
 # Objectives a single request can meet or miss (goodput, as in DistServe and vLLM's --goodput).
 REQUEST_SLOS = ("ttft", "tpot", "e2e")
 STATS = ("mean", "p50", "p90", "p95", "p99", "max")
-_UNITS = {"us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0}
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zµ]+)\s*$")
 
 
-class SLOError(ValueError):
+class SLOError(UnitError):
     """A badly written objective."""
 
 
-def parse_duration(text: str | float | int) -> float:
-    """'500ms', '0.5s', '50us', '2m' -> seconds. Numbers are taken as seconds; strings need a unit."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    m = _DURATION.match(str(text))
-    if not m or m.group(2) not in _UNITS:
-        raise SLOError(f"cannot read {text!r} as a duration: write a number with a unit, e.g. 500ms, 0.5s, 50us")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+def _limit(value, what: str) -> float:
+    v = parse_duration(value, what)
+    if v < 0:
+        raise SLOError(f"{what}: {value!r} cannot be negative")
+    return v
 
 
 def parse_slos(items: list[str] | None) -> dict[str, float]:
@@ -44,7 +39,7 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
             raise SLOError(f"--slo {item!r}: write METRIC=DURATION, e.g. ttft=500ms")
         if name not in REQUEST_SLOS:
             raise SLOError(f"--slo {item!r}: unknown metric {name!r}; choose from {', '.join(REQUEST_SLOS)}")
-        out[name] = parse_duration(value)
+        out[name] = _limit(value, f"--slo {name}")
     return out
 
 
@@ -79,9 +74,9 @@ def gate(run: dict, slos: dict[str, float], percentile: str = "p99") -> list[str
     for name, limit in slos.items():
         value = run["latency"][name].get(percentile)
         if value is None:
-            misses.append(f"{name} {percentile}: no successful samples (limit {limit * 1e3:.1f} ms)")
+            misses.append(f"{name} {percentile}: no successful samples (limit {format_ms(limit)})")
         elif value > limit:
-            misses.append(f"{name} {percentile} = {value * 1e3:.1f} ms > {limit * 1e3:.1f} ms")
+            misses.append(f"{name} {percentile} = {format_ms(value)} > {format_ms(limit)}")
     return misses
 
 
@@ -91,10 +86,10 @@ def _load(results: dict | str | Path) -> dict:
     return results
 
 
-def assert_slo(results: dict | str | Path, run: int | None = None, **objectives: str | float) -> None:
+def assert_slo(results: dict | str | Path, run: int | None = None, **objectives: str) -> None:
     """Fail (AssertionError) when a bench result misses an objective. Objectives are `<metric>_<stat>=limit`
     with metric in ttft, ttft_content, tpot, itl, inter_chunk, e2e, e2e_per_output_token, client_delay and stat
-    in mean, p50, p90, p95, p99, max; or `error_rate=0.01` (a fraction, or '1%'). Every run of a sweep is
+    in mean, p50, p90, p95, p99, max, each limit with its unit ('500ms'); or `error_rate=0.01` (a fraction, or '1%'). Every run of a sweep is
     checked unless `run` picks one. `results` is a results.json path or its parsed dict."""
     data = _load(results)
     runs = data["runs"] if "runs" in data else [data]
@@ -115,11 +110,11 @@ def assert_slo(results: dict | str | Path, run: int | None = None, **objectives:
             name, _, stat = key.rpartition("_")
             if name not in metrics.TIME_METRICS or stat not in STATS:
                 raise SLOError(f"assert_slo: cannot read objective {key!r}; write e.g. ttft_p99='500ms'")
-            lim = parse_duration(limit)
+            lim = _limit(limit, key)
             value = summary["latency"][name].get(stat)
             if value is None:
                 misses.append(f"{where}: {key} has no samples")
             elif value > lim:
-                misses.append(f"{where}: {key} = {value * 1e3:.2f} ms > {lim * 1e3:.2f} ms")
+                misses.append(f"{where}: {key} = {format_ms(value)} > {format_ms(lim)}")
     if misses:
         raise AssertionError("SLO missed:\n  " + "\n  ".join(misses))

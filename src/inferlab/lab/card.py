@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from importlib import resources
 from pathlib import Path
 from statistics import NormalDist
 
+from inferlab.bench.launcher import (RunningServer, config_flags, connect, fill_template, free_port, inferlab_argv,
+                                     launch)
 from inferlab.common.units import UnitError, parse_bytes, parse_duration, parse_rate
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
@@ -196,6 +199,21 @@ class ServerSpec:
     api_key_env: str | None = None
 
 
+def start_server(spec: ServerSpec, config: dict | None = None, log_path: str | Path | None = None,
+                 host: str = "127.0.0.1") -> RunningServer:
+    """The card's server with `config` (the card's baseline config when None) applied."""
+    cfg = spec.config if config is None else config
+    api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+    if spec.kind == "endpoint":
+        return connect(spec.url, spec.ready_timeout, api_key)
+    port = free_port(host)
+    if spec.kind == "command":
+        argv = fill_template(spec.command, port, host) + config_flags(cfg)
+    else:
+        argv = inferlab_argv(port, spec.model, cfg, host)
+    return launch(argv, port, host, spec.ready_timeout, log_path, api_key=api_key)
+
+
 @dataclass(slots=True)
 class Card:
     name: str
@@ -355,15 +373,14 @@ def _length(raw, where: str, problems: list[str]) -> Length:
     return ln
 
 
-def _serve_options() -> set[str]:
-    """Option names `inferlab serve` accepts, from its own parser (so the card never drifts from the server)."""
-    import argparse
+def engine_options() -> set[str]:
+    """The engine's options by name: EngineConfig's fields, each of which `inferlab serve` takes as a flag
+    ('--' + the name with '-' for '_'). The lab reads the engine's config, never the server's parser."""
+    from dataclasses import fields
 
-    from inferlab.server import cli as serve_cli
+    from inferlab.engine.config import EngineConfig
 
-    p = argparse.ArgumentParser(add_help=False)
-    serve_cli.add_arguments(p)
-    return {a.dest for a in p._actions if a.dest not in ("host", "port")}
+    return {f.name for f in fields(EngineConfig)}
 
 
 def _build(d: dict, problems: list[str]) -> Card:
@@ -533,30 +550,13 @@ def _build(d: dict, problems: list[str]) -> Card:
             problems.append("server.config: a running endpoint cannot be configured by the lab; "
                             "give its settings in the description instead")
     elif s.config:
-        known = _serve_options()
+        known = engine_options()
         for k in s.config:
             if k.replace("-", "_") not in known:
                 hint = difflib.get_close_matches(k.replace("-", "_"), sorted(known), n=1)
                 problems.append(f"server.config.{k}: not an `inferlab serve` option"
                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
     return card
-
-
-def config_flags(config: dict) -> list[str]:
-    """{'max_num_seqs': 8, 'enable_prefix_caching': False} -> ['--max-num-seqs', '8', '--no-enable-prefix-caching'].
-    True is a bare flag; False the --no- form (argparse's BooleanOptionalAction, which vLLM also uses); None omits."""
-    out: list[str] = []
-    for key, value in config.items():
-        flag = "--" + key.replace("_", "-")
-        if value is None:
-            continue
-        if value is True:
-            out.append(flag)
-        elif value is False:
-            out.append("--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 # --- the card as a bench run -----------------------------------------------------------------------------------
@@ -574,58 +574,20 @@ def bench_slo_percentile(objectives: Objectives) -> str:
     return f"p{max((p for p in _BENCH_PERCENTILES if p <= top), default=50.0):g}"
 
 
-def to_bench_config(card: Card, base_url: str | None = None, output_dir: str | Path = "bench-results",
-                    serve_config: dict | None = None, quiet: bool = True, scrape_metrics: bool = True):
-    """The bench run the card describes: its workload, load, SLOs and target. `base_url` None lets bench start
-    inferlab's own server with the card's model and `serve_config` (the card's baseline config by default)."""
-    import os
-
-    from inferlab.bench.benchmark import BenchConfig, WorkloadConfig
-    from inferlab.bench.client import Target
-    from inferlab.bench.runner import Load
-    from inferlab.bench.workload import LengthDist
-
-    t, s = card.traffic, card.server
-    api_key = os.environ.get(s.api_key_env) if s.api_key_env else None
-    target = Target(base_url=base_url or "", endpoint=card.endpoint, model="" if s.kind == "inferlab" else (s.model or ""),
-                    api_key=api_key, stream=card.streaming)
-    if t.closed_loop:
-        load = Load("concurrency", float(t.concurrency))
-    else:
-        load = Load("rate", t.rate, arrival=t.arrival, burstiness=t.burstiness, max_concurrency=t.concurrency)
-    workload = WorkloadConfig(
-        input_len=LengthDist.parse(t.input_len.bench_arg(), "traffic.input_len"),
-        output_len=LengthDist.parse(t.output_len.bench_arg(), "traffic.output_len"), output_len_given=True,
-        prefix_groups=t.prefix_groups if t.prefix_share > 0 else 0,
-        prefix_len=t.prefix_len if t.prefix_share > 0 else 0, dataset=t.dataset,
-    )
-    serve_args: list[str] = []
-    if base_url is None:
-        if s.kind != "inferlab":
-            raise ValueError(f"server kind {s.kind!r}: start it (lab.launcher) and pass its base_url")
-        serve_args = (["--model", s.model] if s.model else []) + config_flags(
-            s.config if serve_config is None else serve_config)
-    return BenchConfig(
-        target=target, loads=[load], workload=workload, base_url=base_url, serve_args=serve_args,
-        server_timeout=s.ready_timeout, num_requests=t.requests, duration=t.duration, warmup=t.warmup, seed=t.seed,
-        slos=card.objectives.request_slos(), slo_percentile=bench_slo_percentile(card.objectives),
-        scrape_metrics=scrape_metrics, output_dir=Path(output_dir), quiet=quiet,
-        argv=["--card", card.path or card.name],
-    )
-
-
 def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict | None = None,
                     requests: int | None = None) -> list[str]:
-    """The same run as `to_bench_config`, as `inferlab bench` flags: for reports (how to reproduce a
-    measurement by hand) and for a bench `--card` that prepends them to the user's own flags."""
+    """The card's run as `inferlab bench` flags: the one translation of a card into a bench run, read by
+    `to_bench_config`, by `inferlab bench --card` (which appends the user's own flags, so theirs win) and by
+    reports (how to reproduce a measurement by hand). `base_url` None lets bench start inferlab's own server
+    with the card's model and `serve_config` (the card's baseline config by default)."""
     t, s = card.traffic, card.server
     argv = ["--endpoint", card.endpoint, "--stream" if card.streaming else "--no-stream"]
     if t.closed_loop:
         argv += ["--concurrency", str(t.concurrency)]
     else:
-        argv += ["--rate", f"{t.rate:g}", "--arrival", t.arrival]
+        argv += ["--rate", _num(t.rate), "--arrival", t.arrival]
         if t.arrival == "gamma":
-            argv += ["--burstiness", f"{t.burstiness:g}"]
+            argv += ["--burstiness", _num(t.burstiness)]
         if t.concurrency:
             argv += ["--max-concurrency", str(t.concurrency)]
     if requests is not None:
@@ -633,7 +595,7 @@ def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict 
     elif t.requests is not None:
         argv += ["--num-requests", str(t.requests)]
     if t.duration is not None and requests is None:
-        argv += ["--duration", f"{t.duration:g}s"]
+        argv += ["--duration", f"{_num(t.duration)}s"]
     argv += ["--warmup", str(t.warmup), "--seed", str(t.seed)]
     if t.dataset:
         argv += ["--dataset", t.dataset]
@@ -642,7 +604,7 @@ def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict 
         if t.prefix_share > 0:
             argv += ["--prefix-groups", str(t.prefix_groups), "--prefix-len", str(t.prefix_len)]
     for metric, limit in card.objectives.request_slos().items():
-        argv += ["--slo", f"{metric}={limit * 1e3:g}ms"]
+        argv += ["--slo", f"{metric}={limit * 1e3:g}ms"]  # as the card wrote it, unless it wrote seconds
     if card.objectives.latency:
         argv += ["--slo-percentile", bench_slo_percentile(card.objectives)]
     argv.append("--scrape-metrics")
@@ -655,8 +617,32 @@ def card_bench_argv(card: Card, base_url: str | None = None, serve_config: dict 
                                                                          else serve_config)
         if serve:
             argv += ["--serve-args", shlex.join(serve)]
+        argv += ["--server-timeout", f"{_num(s.ready_timeout)}s"]
     else:
-        raise ValueError(f"server kind {s.kind!r}: start it (lab.launcher) and pass its base_url")
+        raise ValueError(f"server kind {s.kind!r}: start it (lab.card.start_server) and pass its base_url")
     if s.kind != "inferlab" and s.model:
         argv += ["--model", s.model]
     return argv
+
+
+def _num(x: float) -> str:
+    """Text that reads back as exactly x: '2' for 2.0, '0.11666666666666667' for 7/60 (a '7/min' rate)."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
+
+
+def to_bench_config(card: Card, base_url: str | None = None, output_dir: str | Path = "bench-results",
+                    serve_config: dict | None = None):
+    """The card's run as bench's config: `card_bench_argv` read by bench's own parser, so an experiment, a
+    report's command line and `inferlab bench --card` cannot drift apart."""
+    import argparse
+
+    from inferlab.bench import cli as bench_cli
+
+    argv = card_bench_argv(card, base_url, serve_config) + ["--output-dir", str(output_dir), "--quiet"]
+    parser = argparse.ArgumentParser(prog="inferlab bench")
+    bench_cli.add_arguments(parser)
+    cfg = bench_cli.build_config(parser.parse_args(argv), argv)
+    if card.server.api_key_env:
+        cfg.target.api_key = os.environ.get(card.server.api_key_env)
+    return cfg

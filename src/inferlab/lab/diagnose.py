@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inferlab.common.units import format_ms
+
 DEGRADED = 2.0  # a latency that grew this many times from the lightest load point counts as degraded
 TAIL_RATIO = 4.0  # p99 / p50 above this is a heavy tail
 PLATEAU = 1.10  # throughput that rose less than 10% between the two heaviest points has stopped rising
@@ -161,10 +163,6 @@ def runs_from_results(results: dict) -> list[RunView]:
 # --- rules ---------------------------------------------------------------------------------------------------
 
 
-def _ms(x: float | None) -> str:
-    return "n/a" if x is None else f"{x * 1e3:.1f} ms"
-
-
 class _Judge:
     """Decides whether a latency metric is poor at the heaviest load point, and says why."""
 
@@ -179,17 +177,17 @@ class _Judge:
             for key, limit in sorted(targets.items(), key=lambda kv: -_rank(kv[0])):
                 v = self.last.stat(metric, key)
                 if v is not None and v > limit:
-                    return True, f"{metric} {key} {_ms(v)} > objective {_ms(limit)}"
+                    return True, f"{metric} {key} {format_ms(v)} > objective {format_ms(limit)}"
             key = max(targets, key=_rank)
-            return False, f"{metric} {key} {_ms(self.last.stat(metric, key))} within objective {_ms(targets[key])}"
+            return False, f"{metric} {key} {format_ms(self.last.stat(metric, key))} within objective {format_ms(targets[key])}"
         if self.sweep:
             a, b = self.first.stat(metric), self.last.stat(metric)
             if a and b is not None:
                 grew = b / a
                 verdict = grew > DEGRADED
-                return verdict, (f"{metric} p50 {_ms(a)} at load {self.first.label} -> {_ms(b)} at load "
+                return verdict, (f"{metric} p50 {format_ms(a)} at load {self.first.label} -> {format_ms(b)} at load "
                                  f"{self.last.label} (x{grew:.1f})")
-        return None, f"{metric} p50 {_ms(self.last.stat(metric))} (no objective or sweep to judge it by)"
+        return None, f"{metric} p50 {format_ms(self.last.stat(metric))} (no objective or sweep to judge it by)"
 
 
 def _rank(key: str) -> float:
@@ -208,7 +206,7 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
     if not obj:
         obj = {m: {"p99": v} for m, v in runs[-1].slos.items()}
     judge = _Judge(runs, obj)
-    reference = ("objectives: " + ", ".join(f"{m} {k} {_ms(v)}" for m, t in obj.items() for k, v in t.items())
+    reference = ("objectives: " + ", ".join(f"{m} {k} {format_ms(v)}" for m, t in obj.items() for k, v in t.items())
                  if obj else ("a sweep: change from the lightest load point" if judge.sweep else
                               "none (a single run without objectives: give --card or bench --slo, or sweep the load)"))
     hyps: list[Hypothesis] = []
@@ -225,9 +223,9 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         q, pf = s.get("queue_time_mean"), s.get("prefill_time_mean")
         ttft_mean = last.stat("ttft", "mean")
         if q is not None and ttft_mean:
-            ev.append(f"server queue time mean {_ms(q)} = {q / ttft_mean:.0%} of TTFT mean {_ms(ttft_mean)}")
+            ev.append(f"server queue time mean {format_ms(q)} = {q / ttft_mean:.0%} of TTFT mean {format_ms(ttft_mean)}")
         if pf is not None:
-            ev.append(f"server prefill time mean {_ms(pf)}")
+            ev.append(f"server prefill time mean {format_ms(pf)}")
         if s.get("num_waiting"):
             ev.append(f"up to {s['num_waiting']:.0f} requests waiting (server gauge, sampled during the run)")
         if last.input_mean:
@@ -260,7 +258,7 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         if s.get("num_running"):
             ev.append(f"up to {s['num_running']:.0f} requests running (server gauge, sampled during the run)")
         if s.get("step_time_mean") is not None:
-            ev.append(f"engine step mean {_ms(s['step_time_mean'])}")
+            ev.append(f"engine step mean {format_ms(s['step_time_mean'])}")
         kv_pressure = (s.get("kv_cache_usage") or 0) > 0.9 or (s.get("preemptions") or 0) > 0
         causes = ["decode is memory-bandwidth-bound: every step reads all weights (compare TPOT with "
                   "`inferlab fit`'s decode lower bound)",
@@ -307,9 +305,9 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
         )
         step_ev = []
         if s.get("step_time_mean") is not None:
-            step_ev.append(f"engine step mean {_ms(s['step_time_mean'])}")
+            step_ev.append(f"engine step mean {format_ms(s['step_time_mean'])}")
         if q is not None:
-            step_ev.append(f"server queue time mean {_ms(q)}" + (f" of TTFT mean {_ms(ttft_mean)}" if ttft_mean
+            step_ev.append(f"server queue time mean {format_ms(q)}" + (f" of TTFT mean {format_ms(ttft_mean)}" if ttft_mean
                                                                  else ""))
         slow_steps = Hypothesis(
             "TTFT and decode both slow without queueing: every engine step is slow", f"{ttft_why}; {tpot_why}",
@@ -335,8 +333,8 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
             over = limit is not None and p99 is not None and p99 > limit
             heavy = p50 and p99 is not None and p99 / p50 > TAIL_RATIO
             if over or (heavy and not limit):
-                tails.append(f"{metric} p99 {_ms(p99)} vs p50 {_ms(p50)}"
-                             + (f" (objective {_ms(limit)})" if limit else ""))
+                tails.append(f"{metric} p99 {format_ms(p99)} vs p50 {format_ms(p50)}"
+                             + (f" (objective {format_ms(limit)})" if limit else ""))
         if rising and tails:
             hyps.append(Hypothesis(
                 "throughput still rises but the tail breaks: the batching policy",
@@ -354,7 +352,7 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
     cd = (last.latency.get("client_delay") or {}).get("p99")
     if cd is not None and cd > 0.010:
         hyps.append(Hypothesis(
-            "the load generator fell behind", f"client delay p99 {_ms(cd)} (requests sent late)",
+            "the load generator fell behind", f"client delay p99 {format_ms(cd)} (requests sent late)",
             ["the client process is CPU-bound, so the offered load was lower than asked"], [],
             "rerun with bench --workers 2 (or more) and compare client delay and latencies",
             "spread the load over worker processes; until then, latencies include client-side queueing",

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from inferlab.lab.card import Card, Check, evaluate, to_bench_config
-from inferlab.lab.launcher import LaunchError, RunningServer, start_server
+from inferlab.common.units import format_ms
+from inferlab.bench.launcher import LaunchError, RunningServer, config_flags
+from inferlab.lab.card import Card, Check, engine_options, evaluate, start_server, to_bench_config
 
 STATE_VERSION = 1
 LATENCY_KEYS = ("mean", "p50", "p90", "p99")
@@ -66,9 +67,7 @@ def parse_vary(items: list[str], card: Card) -> list[Variation]:
         raise ExperimentError("the card's server is a running endpoint: the lab cannot change its config; use "
                               "server kind inferlab or a command template")
     if card.server.kind == "inferlab":
-        from inferlab.lab.card import _serve_options
-
-        known = _serve_options()
+        known = engine_options()
         for v in out:
             if v.key not in known:
                 raise ExperimentError(f"--vary {v.key}: not an `inferlab serve` option")
@@ -172,11 +171,7 @@ NUMERICS_NEUTRAL = {"max_num_seqs", "max_num_batched_tokens", "block_size", "kv_
 
 def quality_config(config: dict) -> dict:
     """The part of a server config that can change the model's outputs, as `inferlab eval` options."""
-    from dataclasses import fields as dc_fields
-
-    from inferlab.engine.config import EngineConfig
-
-    engine = {f.name for f in dc_fields(EngineConfig)}
+    engine = engine_options()
     return {k: v for k, v in config.items() if k in engine and k not in NUMERICS_NEUTRAL and k != "seed"}
 
 
@@ -186,13 +181,8 @@ def eval_quality(point: ConfigPoint, baseline: ConfigPoint, out_dir: Path, model
     is compared with the baseline's saved eval (`--baseline-result`), so the baseline is evaluated once; one
     that differs from the baseline only in speed-only options shares its quality. Returns
     ({perplexity, task_accuracy, greedy_agreement}, note) or (None, why not)."""
-    import importlib.util
     import subprocess
 
-    from inferlab.lab.card import config_flags
-
-    if importlib.util.find_spec("inferlab.lab.eval_cli") is None:
-        return None, "not measured: `inferlab eval` is not available in this installation"
     base_json = out_dir.parent / _slug(baseline.id) / "eval.json"
     mine = quality_config(point.config)
     if point.id != baseline.id and mine == quality_config(baseline.config) and base_json.exists():
@@ -262,6 +252,62 @@ def quality_checks(card: Card, q: dict | None, base: dict | None, is_baseline: b
     return out
 
 
+# --- judging -------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Verdict:
+    accepted: bool
+    status: str
+    quality_ok: bool | None
+    latency_ok: bool | None
+    reliability_ok: bool | None
+    checks: list[Check]
+
+
+def _all(checks: list[Check], kinds: tuple[str, ...]) -> bool | None:
+    sel = [c for c in checks if c.kind in kinds]
+    if not sel:
+        return None
+    if any(c.passed is False for c in sel):
+        return False
+    return None if any(c.passed is None for c in sel) else True
+
+
+def verdict(card: Card, res: PointResult, base: PointResult | None) -> Verdict:
+    if res.status != "measured":
+        return Verdict(False, "failed to run", None, None, None, [])
+    checks = run_checks(card, res, base)
+    q = _all(checks, ("quality",))
+    lat = _all(checks, ("latency", "throughput", "goodput"))
+    rel = _all(checks, ("reliability",))
+    if q is False:
+        status = "rejected: below the quality floor"
+    elif rel is False:
+        status = "rejected: too many errors"
+    elif lat is False:
+        status = "misses objectives"
+    elif q is None and card.quality:
+        status = "unverified: quality not measured"
+    else:
+        status = "accepted"
+    return Verdict(status == "accepted", status, q, lat, rel, checks)
+
+
+def score(r: PointResult) -> tuple[float, float]:
+    """Goodput first, then throughput (which breaks ties, e.g. when no config meets the objectives)."""
+    g, t = r.metric("goodput_rps"), r.metric("requests_per_s")
+    return (g["mean"] if g else -1.0, t["mean"] if t else -1.0)
+
+
+def rank(card: Card, results: list[PointResult]) -> list[tuple[PointResult, Verdict]]:
+    """Accepted configs first, then those missing objectives, then the rejected; by goodput within each."""
+    base = next((r for r in results if r.id == "baseline"), None)
+    order = {"accepted": 0, "misses objectives": 1, "unverified: quality not measured": 2}
+    rows = [(r, verdict(card, r, base)) for r in results]
+    return sorted(rows, key=lambda rv: (order.get(rv[1].status, 3), *(-x for x in score(rv[0]))))
+
+
 # --- running -------------------------------------------------------------------------------------------------
 
 
@@ -326,15 +372,13 @@ class Experiment:
         return [self.result(p) for p in self.state["points"]]
 
     def best_combination(self, points: list[ConfigPoint]) -> ConfigPoint | None:
-        from inferlab.lab.report import _score, verdict
-
         base = self.result("baseline")
         changes = {}
         for v in self.variations:
             cands = [self.result(p.id) for p in points if v.key in p.changes]
             cands = [c for c in cands if c and verdict(self.card, c, base).accepted]
-            if cands and base and _score(max(cands, key=_score)) > _score(base):
-                changes.update(max(cands, key=_score).changes)
+            if cands and base and score(max(cands, key=score)) > score(base):
+                changes.update(max(cands, key=score).changes)
         if len(changes) < 2:
             return None
         return ConfigPoint("combined", changes, {**self.card.server.config, **changes})
@@ -365,8 +409,8 @@ class Experiment:
                 res.results_paths.append(str(pdir / f"bench-{k + 1}" / "results.json"))
                 r = res.repeats[-1]
                 self.log(f"{tag} {p.id}: repeat {k + 1}/{self.repeats}: {r['completed']} requests, "
-                         f"{r['requests_per_s']:.2f} req/s, ttft p99 {_ms(r['ttft']['p99'])}, "
-                         f"itl p50 {_ms(r['itl']['p50'])}, errors {r['error_rate']:.0%}")
+                         f"{r['requests_per_s']:.2f} req/s, ttft p99 {format_ms(r['ttft']['p99'])}, "
+                         f"itl p50 {format_ms(r['itl']['p50'])}, errors {r['error_rate']:.0%}")
             res.memory = server_memory(srv)
         except KeyboardInterrupt:
             self.log(f"{tag} {p.id}: interrupted; rerun the same command to resume from the measured configs")
@@ -415,10 +459,6 @@ def server_memory(srv: RunningServer) -> dict:
 
 def _slug(pid: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in pid.replace("=", "-"))
-
-
-def _ms(x: float | None) -> str:
-    return "n/a" if x is None else f"{x * 1e3:.1f} ms"
 
 
 def run_checks(card: Card, res: PointResult, base: PointResult | None) -> list[Check]:

@@ -9,7 +9,7 @@ import sys
 from inferlab.lab.fit import FLOAT_DTYPES, QUANTIZATIONS, DTYPE_BYTES, FitReport, FitRequest, fit
 from inferlab.lab.hardware import HARDWARE_PRESETS, THIS_MACHINE, resolve_hardware
 from inferlab.lab.model_presets import MODEL_PRESETS, resolve_model
-from inferlab.common.units import UnitError, format_bytes, parse_bytes
+from inferlab.common.units import UnitError, format_bytes, format_ms, parse_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,10 +92,6 @@ def _rate(flops: float) -> str:
     return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
 
 
-def _ms(x: float) -> str:
-    return f"{x:.3g} ms"
-
-
 def print_report(r: FitReport) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -146,9 +142,9 @@ def print_report(r: FitReport) -> None:
     rows = [
         ("bytes read", [format_bytes(p.weight_bytes_read + p.kv_bytes_read) for p in r.decode], format_bytes(pf.bytes_read)),
         ("FLOPs", [f"{p.flops:.3g}" for p in r.decode], f"{pf.flops:.3g}"),
-        ("memory time", [_ms(p.memory_ms) for p in r.decode], _ms(pf.memory_ms)),
-        ("compute time", [_ms(p.compute_ms) for p in r.decode], _ms(pf.compute_ms)),
-        ("lower bound", [f"[bold]{_ms(p.step_ms)}[/]" for p in r.decode], f"[bold]{_ms(pf.time_ms)}[/]"),
+        ("memory time", [format_ms(p.memory_ms / 1e3) for p in r.decode], format_ms(pf.memory_ms / 1e3)),
+        ("compute time", [format_ms(p.compute_ms / 1e3) for p in r.decode], format_ms(pf.compute_ms / 1e3)),
+        ("lower bound", [f"[bold]{format_ms(p.step_ms / 1e3)}[/]" for p in r.decode], f"[bold]{format_ms(pf.time_ms / 1e3)}[/]"),
         ("bound by", [p.bound for p in r.decode], pf.bound),
         ("tok/s per user", [f"{p.tokens_per_s_per_user:.4g}" for p in r.decode], ""),
         ("tok/s total", [f"{p.tokens_per_s:.4g}" for p in r.decode], f"{pf.tokens / pf.time_ms * 1e3:.4g}"),

@@ -7,67 +7,10 @@ from __future__ import annotations
 
 import datetime as dt
 import shlex
-from dataclasses import dataclass
 
+from inferlab.common.units import format_ms
 from inferlab.lab.card import Card, Check, card_bench_argv
-from inferlab.lab.experiment import PointResult, Variation, run_checks
-
-
-@dataclass(slots=True)
-class Verdict:
-    accepted: bool
-    status: str
-    quality_ok: bool | None
-    latency_ok: bool | None
-    reliability_ok: bool | None
-    checks: list[Check]
-
-
-def _all(checks: list[Check], kinds: tuple[str, ...]) -> bool | None:
-    sel = [c for c in checks if c.kind in kinds]
-    if not sel:
-        return None
-    if any(c.passed is False for c in sel):
-        return False
-    return None if any(c.passed is None for c in sel) else True
-
-
-def verdict(card: Card, res: PointResult, base: PointResult | None) -> Verdict:
-    if res.status != "measured":
-        return Verdict(False, "failed to run", None, None, None, [])
-    checks = run_checks(card, res, base)
-    q = _all(checks, ("quality",))
-    lat = _all(checks, ("latency", "throughput", "goodput"))
-    rel = _all(checks, ("reliability",))
-    if q is False:
-        status = "rejected: below the quality floor"
-    elif rel is False:
-        status = "rejected: too many errors"
-    elif lat is False:
-        status = "misses objectives"
-    elif q is None and card.quality:
-        status = "unverified: quality not measured"
-    else:
-        status = "accepted"
-    return Verdict(status == "accepted", status, q, lat, rel, checks)
-
-
-def _score(r: PointResult) -> tuple[float, float]:
-    """Goodput first, then throughput (which breaks ties, e.g. when no config meets the objectives)."""
-    g, t = r.metric("goodput_rps"), r.metric("requests_per_s")
-    return (g["mean"] if g else -1.0, t["mean"] if t else -1.0)
-
-
-def rank(card: Card, results: list[PointResult]) -> list[tuple[PointResult, Verdict]]:
-    """Accepted configs first, then those missing objectives, then the rejected; by goodput within each."""
-    base = next((r for r in results if r.id == "baseline"), None)
-    order = {"accepted": 0, "misses objectives": 1, "unverified: quality not measured": 2}
-    rows = [(r, verdict(card, r, base)) for r in results]
-    return sorted(rows, key=lambda rv: (order.get(rv[1].status, 3), *(-x for x in _score(rv[0]))))
-
-
-def _ms(x) -> str:
-    return "–" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
+from inferlab.lab.experiment import PointResult, Variation, rank, score, verdict
 
 
 def _spread(m: dict | None, fmt=lambda v: f"{v:.2f}") -> str:
@@ -79,7 +22,7 @@ def _spread(m: dict | None, fmt=lambda v: f"{v:.2f}") -> str:
 
 
 def _lat(r: PointResult, key: str) -> str:
-    return _spread(r.metric(key), _ms)
+    return _spread(r.metric(key), lambda x: format_ms(x, unit=False))
 
 
 def _share(m: dict | None, digits: int = 0) -> str:
@@ -239,7 +182,7 @@ def render(card: Card, results: list[PointResult], variations: list[Variation], 
         tested = [v for v in variations if v.key == key]
         if tested:
             rows = [r for r in results if key in r.changes and r.status == "measured"]
-            best = max(rows, key=_score, default=None)
+            best = max(rows, key=score, default=None)
             if best and base:
                 L.append(f"Tested by varying `{key}`: the best value, `{best.changes[key]}`, changed "
                          f"{_tradeoff(best, base) or 'nothing measurable'} against the baseline.")

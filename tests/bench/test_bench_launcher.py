@@ -1,5 +1,5 @@
-"""The external-engine path without a GPU: `inferlab fake-server` stands in for vLLM; tiny `python -c` engines
-exercise every failure message."""
+"""bench.launcher, the one way bench and the lab start a server, without a GPU: `inferlab fake-server` stands in
+for vLLM; tiny `python -c` engines exercise every failure message."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import urllib.request
 
 import pytest
 
-from inferlab.lab.card import ServerSpec
-from inferlab.lab.launcher import (LaunchError, connect, fill_template, free_port, inferlab_argv, launch,
-                                   start_server)
+from inferlab.bench.launcher import (LaunchError, config_flags, connect, fill_template, free_port, inferlab_argv,
+                                     launch)
 
 READY = 120.0  # generous: only a deadline for "eventually", never a speed assertion
 
@@ -72,16 +71,6 @@ def test_fake_server_from_a_template(tmp_path):
         code = srv.stop()
     assert srv.process.poll() is not None and code is not None
     assert "fake server listening" in (tmp_path / "engine.log").read_text()
-
-
-def test_start_server_from_a_card_command(tmp_path):
-    spec = ServerSpec(kind="command", command=" ".join(FAKE[:1]) + " -m inferlab fake-server --port {port}",
-                      config={"model": "stand-in", "ttft": "5ms"}, ready_timeout=READY)
-    with start_server(spec, log_path=tmp_path / "e.log") as srv:
-        assert srv.argv[-4:] == ["--model", "stand-in", "--ttft", "5ms"]  # the config became flags
-        with urllib.request.urlopen(srv.base_url + "/v1/models", timeout=10) as r:
-            assert json.load(r)["data"][0]["id"] == "stand-in"
-    assert srv.process.poll() is not None
 
 
 def test_engine_exits_early_shows_its_last_lines():
@@ -145,3 +134,5 @@ def test_templates_and_errors():
     assert argv[:4] == [sys.executable, "-m", "inferlab", "serve"]
     assert argv[4:] == ["--host", "127.0.0.1", "--port", "9000", "--model", "m.gguf", "--max-num-seqs", "4",
                         "--no-enable-prefix-caching"]
+    assert config_flags({"max_num_seqs": 8, "enable_prefix_caching": False, "x": True, "y": None}) == [
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--x"]

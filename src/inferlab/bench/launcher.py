@@ -1,5 +1,7 @@
-"""Start, wait for and stop the server under test: inferlab's own, an external engine from a command template
-(vLLM, SGLang, llama.cpp's server ... with {port} filled in), or an endpoint someone else runs.
+"""Start, wait for and stop the server under test: inferlab's own (bench with no --base-url, and the lab), an
+external engine from a command template (vLLM, SGLang, llama.cpp's server ... with {port} filled in), or an
+endpoint someone else runs. A child process, never an import: bench stays free of the engine and measures a
+server exactly as users run it.
 
 The engine runs in its own process group (start_new_session), so teardown reaches whatever it spawned (vLLM
 starts worker processes): SIGTERM to the group, a grace period, then SIGKILL. Its stdout and stderr go to a log
@@ -21,8 +23,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from inferlab.lab.card import ServerSpec, config_flags
 
 READY_PATHS = ("/health", "/v1/models")
 LOG_TAIL_LINES = 20
@@ -129,6 +129,23 @@ def fill_template(template: str | list[str], port: int, host: str = "127.0.0.1")
     return [a.replace("{port}", str(port)).replace("{host}", host) for a in argv]
 
 
+def config_flags(config: dict) -> list[str]:
+    """{'max_num_seqs': 8, 'enable_prefix_caching': False} -> ['--max-num-seqs', '8', '--no-enable-prefix-caching'].
+    True is a bare flag; False the --no- form (argparse's BooleanOptionalAction, which vLLM also uses); None omits."""
+    out: list[str] = []
+    for key, value in config.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out.append("--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def inferlab_argv(port: int, model: str | None = None, config: dict | None = None,
                   host: str = "127.0.0.1") -> list[str]:
     argv = [sys.executable, "-m", "inferlab", "serve", "--host", host, "--port", str(port)]
@@ -201,17 +218,3 @@ def connect(base_url: str, ready_timeout: float = 10.0, api_key: str | None = No
                               f"{ready_timeout:g} s ({seen})")
         time.sleep(0.5)
 
-
-def start_server(spec: ServerSpec, config: dict | None = None, log_path: str | Path | None = None,
-                 host: str = "127.0.0.1") -> RunningServer:
-    """The card's server with `config` (the card's baseline config when None) applied."""
-    cfg = spec.config if config is None else config
-    api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
-    if spec.kind == "endpoint":
-        return connect(spec.url, spec.ready_timeout, api_key)
-    port = free_port(host)
-    if spec.kind == "command":
-        argv = fill_template(spec.command, port, host) + config_flags(cfg)
-    else:
-        argv = inferlab_argv(port, spec.model, cfg, host)
-    return launch(argv, port, host, spec.ready_timeout, log_path, api_key=api_key)
