@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 
-from inferlab.common.units import UnitError, parse_bytes
+from inferlab.common.units import parse_bytes
 
 
 def _flag(help: str, **argparse_options) -> dict:
@@ -21,10 +21,7 @@ def _optional_int(text: str) -> int | None:
 
 def _bytes(text: str) -> int:
     """A size with a unit ('512MiB', '2GB'), or a bare byte count."""
-    try:
-        return int(text) if text.strip().isdigit() else parse_bytes(text)
-    except UnitError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return parse_bytes(text, "--kv-cache-memory", bare="B")
 
 
 @dataclass(slots=True)
