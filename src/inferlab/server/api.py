@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,9 +37,6 @@ from inferlab.server.protocol import (SSE_DONE, APIError, ChatCompletionChunk, C
                                       CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                       DeltaMessage, ErrorResponse, ModelCard, ModelList, UsageInfo, sse,
                                       sse_with_text)
-
-if TYPE_CHECKING:
-    from inferlab.engine.llm_engine import Prompt
 
 
 @dataclass(slots=True)
@@ -105,8 +102,12 @@ class OpenAIServer:
             raise APIError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
                            "invalid_request_error", "model", "model_not_found")
 
-    async def submit(self, rid: str, prompt: Prompt, body: CompletionRequest | ChatCompletionRequest,
-                     tenant: str | None, arrival: float, prompt_param: str) -> RequestStream:
+    async def submit(self, rid: str, body: CompletionRequest | ChatCompletionRequest,
+                     tenant: str | None) -> RequestStream:
+        """Checks the request and hands it to the engine thread; every refusal is an APIError."""
+        arrival = time.perf_counter()
+        self.check_model(body.model)
+        prompt = body.check()
         max_tokens = body.max_output_tokens  # None: until the context is full
         params = body.sampling_params(max_tokens or 1)  # then sized from the prompt length on the engine thread
         try:
@@ -116,7 +117,7 @@ class OpenAIServer:
             raise APIError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded",
                            {"Retry-After": str(self.config.retry_after)}) from None
         except InvalidRequestError as e:
-            param = prompt_param if e.param in (None, "prompt") else e.param
+            param = body.prompt_field if e.param in (None, "prompt") else e.param
             raise APIError(400, str(e), "invalid_request_error", param, "invalid_value") from None
         except EngineDeadError as e:
             raise APIError(503, str(e), "server_error", None, "engine_dead") from None
@@ -137,11 +138,11 @@ class OpenAIServer:
                 timer.cancel()
             self.engine.abort(stream.request_id)  # no-op when it finished
 
-    async def events(self, stream: RequestStream, chunk: Callable[[str, RequestOutput | None], Any],
+    async def events(self, stream: RequestStream, chunk: Callable[..., CompletionChunk | ChatCompletionChunk],
                      first: str | None, include_usage: bool) -> AsyncIterator[str]:
         """SSE lines: `first`, one chunk per engine delta that has text, the last with its finish_reason, the usage
-        chunk when asked for, then [DONE]. `chunk(text, finishing delta or None)` builds one chunk model."""
-        token_line = sse_with_text(lambda text: chunk(text, None))
+        chunk when asked for, then [DONE]. `chunk(text, finish_reason=None, stop_reason=None)` builds one chunk."""
+        token_line = sse_with_text(chunk)
         timer = self._start_timer(stream)
         try:
             if first is not None:
@@ -149,7 +150,7 @@ class OpenAIServer:
             while not (out := await self._next_output(stream)).finished:
                 if out.new_text:
                     yield token_line(out.new_text)
-            last = chunk(out.new_text, out)
+            last = chunk(out.new_text, out.finish_reason, out.stop_reason)
             yield sse(last)
             if include_usage:
                 yield sse(last.model_copy(update={"choices": [], "usage": UsageInfo.of(out)}))
@@ -273,18 +274,15 @@ async def models(request: Request, _: str | None = Depends(_tenant)) -> ModelLis
 @router.post("/v1/completions", response_model=CompletionResponse,
              responses={200: {"content": _SSE_DOC}, **_ERROR_RESPONSES})
 async def completions(body: CompletionRequest, request: Request, tenant: str | None = Depends(_tenant)):
-    arrival = time.perf_counter()
     s = _server(request)
-    s.check_model(body.model)
-    prompt = body.check()
     rid = f"cmpl-{uuid.uuid4().hex}"
-    stream = await s.submit(rid, prompt, body, tenant, arrival, "prompt")
+    stream = await s.submit(rid, body, tenant)
     if body.stream:
         created = int(time.time())
 
-        def chunk(text: str, last: RequestOutput | None) -> CompletionChunk:
+        def chunk(text: str, finish_reason: str | None = None, stop_reason: int | str | None = None) -> CompletionChunk:
             return CompletionChunk(id=rid, created=created, model=s.model_name, choices=[CompletionChoice(
-                text=text, finish_reason=last and last.finish_reason, stop_reason=last and last.stop_reason)])
+                text=text, finish_reason=finish_reason, stop_reason=stop_reason)])
 
         return _EventStream(s.events(stream, chunk, None, body.include_usage))
     if (done := await s.collect(request, stream)) is None:
@@ -297,21 +295,18 @@ async def completions(body: CompletionRequest, request: Request, tenant: str | N
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
              responses={200: {"content": _SSE_DOC}, **_ERROR_RESPONSES})
 async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: str | None = Depends(_tenant)):
-    arrival = time.perf_counter()
     s = _server(request)
-    s.check_model(body.model)
-    messages = body.check()
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await s.submit(rid, messages, body, tenant, arrival, "messages")
+    stream = await s.submit(rid, body, tenant)
     if body.stream:
         created = int(time.time())
 
-        def chunk(text: str, last: RequestOutput | None, role: str | None = None) -> ChatCompletionChunk:
+        def chunk(text: str, finish_reason: str | None = None, stop_reason: int | str | None = None,
+                  role: str | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[ChatStreamChoice(
-                delta=DeltaMessage(role=role, content=text), finish_reason=last and last.finish_reason,
-                stop_reason=last and last.stop_reason)])
+                delta=DeltaMessage(role=role, content=text), finish_reason=finish_reason, stop_reason=stop_reason)])
 
-        return _EventStream(s.events(stream, chunk, sse(chunk("", None, "assistant")), body.include_usage))
+        return _EventStream(s.events(stream, chunk, sse(chunk("", role="assistant")), body.include_usage))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)
     text, last = done

@@ -24,12 +24,10 @@ class EngineClient(Protocol):
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
         """Token ids and the text they came from; raises InvalidRequestError on a prompt it cannot take."""
-        ...
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> int:
         """Queues a request and returns its prompt length; raises InvalidRequestError when it cannot run."""
-        ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -37,6 +35,5 @@ class EngineClient(Protocol):
 
     def step(self) -> list[RequestOutput]:
         """One step: a delta for every request that moved, the finishing one with finished=True."""
-        ...
 
     def stats(self) -> EngineStats: ...

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -144,6 +144,7 @@ _UNSUPPORTED_IF_SET: dict[str, tuple] = {
 
 
 class CompletionRequest(_SamplingFields):
+    prompt_field: ClassVar[str] = "prompt"  # the `param` of an error about the prompt
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]] = Field(
         ..., description="A string or a list of token ids. A batch of several prompts is not supported.")
     max_tokens: int | None = Field(16, ge=1)
@@ -193,6 +194,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    prompt_field: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -235,12 +237,15 @@ def _is_none(value: object) -> bool:
     return value is None
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int = 0
-    text: str
     logprobs: None = None
     finish_reason: FinishReason | None  # None until the last chunk of a stream
     stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that ended it
+
+
+class CompletionChoice(_Choice):
+    text: str
 
 
 class CompletionResponse(BaseModel):
@@ -264,12 +269,8 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -287,12 +288,8 @@ class DeltaMessage(BaseModel):
     content: str = ""
 
 
-class ChatStreamChoice(BaseModel):
-    index: int = 0
+class ChatStreamChoice(_Choice):
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
