@@ -60,6 +60,8 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
 
 
 class OpenAIServer:
+    """What the routes share, and the steps of a request they have in common: submit, then collect or events."""
+
     def __init__(self, engine: EngineClient, config: ServerConfig):
         self.config = config
         self.model_name = engine.model_name
