@@ -98,7 +98,7 @@ def test_every_sse_event_is_a_chunk_model_with_the_fields_openai_clients_read(fa
     raw = [json.loads(e) for e in events[:-1]]
     assert len({(c.id, c.object, c.created, c.model) for c in chunks}) == 1 and chunks[0].model == "fake-model"
     for c, d in zip(chunks[:-1], raw):
-        assert c.usage is None and "usage" not in d
+        assert c.usage is None and d["usage"] is None
         assert set(d["choices"][0]) >= {"index", "logprobs", "finish_reason", "stop_reason"}
     assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 2) + ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3

@@ -35,7 +35,7 @@ from inferlab.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferlab.server.protocol import (SSE_DONE, APIError, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatChoice, ChatStreamChoice, AssistantMessage,
                                       CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-                                      DeltaMessage, ErrorResponse, ModelCard, ModelList, UsageInfo, sse,
+                                      DeltaMessage, ErrorResponse, ModelCard, ModelList, RoleDelta, UsageInfo, sse,
                                       sse_with_text)
 
 
@@ -306,7 +306,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         def chunk(text: str, finish_reason: str | None = None, stop_reason: int | str | None = None,
                   role: str | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[ChatStreamChoice(
-                delta=DeltaMessage(role=role, content=text), finish_reason=finish_reason, stop_reason=stop_reason)])
+                delta=DeltaMessage(content=text) if role is None else RoleDelta(role=role, content=text),
+                finish_reason=finish_reason, stop_reason=stop_reason)])
 
         return _EventStream(s.events(stream, chunk, sse(chunk("", role="assistant")), body.include_usage))
     if (done := await s.collect(request, stream)) is None:

@@ -233,10 +233,6 @@ class UsageInfo(BaseModel):
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-def _is_none(value: object) -> bool:
-    return value is None
-
-
 class _Choice(BaseModel):
     index: int = 0
     logprobs: None = None
@@ -261,7 +257,7 @@ class CompletionChunk(CompletionResponse):
     """One event of a streamed completion (OpenAI names it `text_completion` too); with include_usage, a last one
     with no choices carries the usage."""
 
-    usage: UsageInfo | None = Field(None, exclude_if=_is_none)
+    usage: UsageInfo | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -283,13 +279,18 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    # Only the first chunk of a chat stream names the role, as OpenAI's do.
-    role: Literal["assistant"] | None = Field(None, exclude_if=_is_none)
+    content: str = ""
+
+
+class RoleDelta(BaseModel):
+    """Only the first chunk of a chat stream names the role, as OpenAI's do."""
+
+    role: Literal["assistant"]
     content: str = ""
 
 
 class ChatStreamChoice(_Choice):
-    delta: DeltaMessage
+    delta: RoleDelta | DeltaMessage
 
 
 class ChatCompletionChunk(BaseModel):
@@ -298,7 +299,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = Field(None, exclude_if=_is_none)  # the last chunk's, with include_usage
+    usage: UsageInfo | None = None  # null but in the last chunk (with include_usage), as OpenAI's
 
 
 def sse(event: BaseModel) -> str:
