@@ -115,7 +115,7 @@ def _offline(engine, prompts: list[str], max_tokens: int, tag: str) -> tuple[int
     return tokens, time.perf_counter() - t0
 
 
-def served(engine, max_num_seqs: int, concurrency: int, max_tokens: int,
+def served(engine, concurrency: int, max_tokens: int,
            drop_after: int = 0) -> tuple[list[dict], list[tuple], dict[str, float]]:
     """One run through the server: (the client's per-request chunk times, the engine's per-step records, the time
     each aborted request reached engine.abort)."""
@@ -144,10 +144,13 @@ def served(engine, max_num_seqs: int, concurrency: int, max_tokens: int,
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    app = build_app(engine, max_num_seqs, ServerConfig(max_queue=concurrency))
+    app = build_app(engine, ServerConfig(max_queue=concurrency))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    stepper = threading.Thread(target=app.state.server.engine.run_engine, name="inferlab-engine", daemon=True,
+                               kwargs={"should_stop": lambda: not thread.is_alive()})
+    stepper.start()
     while not server.started:
         time.sleep(0.01)
     try:
@@ -161,6 +164,7 @@ def served(engine, max_num_seqs: int, concurrency: int, max_tokens: int,
     finally:
         server.should_exit = True
         thread.join()
+        stepper.join()
         del engine.step, engine.abort
     return json.loads(out.stdout), steps, aborts
 
@@ -182,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     for rep in range(args.repeats):
         tokens, seconds = offline(engine, prompts, args.max_tokens, str(rep))
         offline_rates.append(tokens / seconds)
-        requests, steps, _ = served(engine, cfg.max_num_seqs, args.concurrency, args.max_tokens)
+        requests, steps, _ = served(engine, args.concurrency, args.max_tokens)
         served_tokens = sum(len(r["times"]) for r in requests)
         served_rates.append(served_tokens / (max(r["times"][-1] for r in requests if r["times"])
                                              - min(r["sent"] for r in requests)))
@@ -208,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
 
     # Cancellation: clients drop their streams after 3 chunks; how long until engine.abort, and how many steps still
     # computed each dropped request after its client had gone (target: at most the one step already running).
-    requests, steps, aborts = served(engine, cfg.max_num_seqs, args.disconnects, 2048 - 64, drop_after=3)
+    requests, steps, aborts = served(engine, args.disconnects, 2048 - 64, drop_after=3)
     abort_latency, wasted_steps = [], []
     for r in requests:
         if r["closed"] is None or r["id"] not in aborts:

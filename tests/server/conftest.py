@@ -16,7 +16,7 @@ def fake_server():
 
     def make(engine: FakeEngine | None = None, **cfg) -> LiveServer:
         engine = engine or FakeEngine()
-        s = LiveServer(build_app(engine, engine.max_num_seqs, ServerConfig(**cfg)))
+        s = LiveServer(build_app(engine, ServerConfig(**cfg)))
         s.engine = engine  # type: ignore[attr-defined]
         servers.append(s)
         return s

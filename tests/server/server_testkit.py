@@ -1,6 +1,6 @@
-"""Shared pieces of the server tests: a live uvicorn on a free loopback port, a deterministic fake engine that
-implements LLMEngine's contract (for the fast HTTP-layer tests; the behaviour tests use the real engine), a metrics
-reader and the OpenAPI fuzz. A uniquely named module rather than conftest, which every test folder has."""
+"""Shared pieces of the server tests: a live server on a free loopback port, a deterministic fake engine that
+satisfies the server's EngineClient (for the fast HTTP-layer tests; the behaviour tests use the real engine), a
+metrics reader and the OpenAPI fuzz. A uniquely named module rather than conftest, which every test folder has."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.config import EngineConfig
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
 
 
 class LiveServer:
-    """uvicorn serving `app` in a background thread; `base` is its http://127.0.0.1:PORT."""
+    """The app served as `inferlab serve` serves it (server/cli.py): uvicorn on one thread, the engine stepped by
+    run_engine() on another (there the main thread, here a second background one); `base` is http://127.0.0.1:PORT."""
 
     def __init__(self, app, **config):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -30,6 +32,9 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
+        self.engine_thread = threading.Thread(target=app.state.server.engine.run_engine, daemon=True,
+                                              kwargs={"should_stop": lambda: not self.thread.is_alive()})
+        self.engine_thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
@@ -37,8 +42,10 @@ class LiveServer:
             time.sleep(0.01)
 
     def stop(self) -> None:
+        """What SIGTERM does to `inferlab serve`: uvicorn drains and exits, its shutdown stops the engine loop."""
         self.server.should_exit = True
         self.thread.join(timeout=60)
+        self.engine_thread.join(timeout=60)
 
     def __enter__(self) -> "LiveServer":
         return self
@@ -99,6 +106,7 @@ class FakeEngine:
     fail_on_step: bool = False
 
     def __post_init__(self) -> None:
+        self.config = EngineConfig(max_num_seqs=self.max_num_seqs)  # what the server reads of it
         self.waiting: deque[_Req] = deque()
         self.running: list[_Req] = []
         self.aborted: list[str] = []

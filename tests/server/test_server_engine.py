@@ -42,7 +42,7 @@ def llm():
 def serve(llm, **cfg) -> LiveServer:
     from inferlab.server.api import ServerConfig, build_app
 
-    return LiveServer(build_app(llm.engine, MAX_NUM_SEQS, ServerConfig(**cfg)))
+    return LiveServer(build_app(llm.engine, ServerConfig(**cfg)))
 
 
 def client(s: LiveServer, **kw) -> openai.OpenAI:
@@ -75,6 +75,13 @@ def eventually(pred, what: str, deadline_s: float = 120.0):
             return
         time.sleep(0.05)
     raise AssertionError(f"{what} did not happen within {deadline_s} s")
+
+
+def test_the_engine_is_an_engine_client(llm):
+    from inferlab.server.engine_client import EngineClient
+
+    assert isinstance(llm.engine, EngineClient)
+    assert llm.engine.config.max_num_seqs == MAX_NUM_SEQS
 
 
 def test_greedy_outputs_over_the_api_equal_the_offline_engine(llm):

@@ -83,6 +83,32 @@ def test_sse_wire_format_ends_with_done(fake_server):
     assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == [" w0", " w1"]
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "a"}),
+                                       ("/v1/chat/completions", {"messages": CHAT})])
+def test_every_sse_event_is_a_chunk_model_with_the_fields_openai_clients_read(fake_server, path, body):
+    from inferlab.server.protocol import ChatCompletionChunk, CompletionChunk
+
+    s = fake_server()
+    r = httpx.post(s.base + path, json={**body, "max_tokens": 3, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]"
+    model = CompletionChunk if path == "/v1/completions" else ChatCompletionChunk
+    chunks = [model.model_validate_json(e) for e in events[:-1]]
+    raw = [json.loads(e) for e in events[:-1]]
+    assert len({(c.id, c.object, c.created, c.model) for c in chunks}) == 1 and chunks[0].model == "fake-model"
+    for c, d in zip(chunks[:-1], raw):
+        assert c.usage is None and d["usage"] is None
+        assert set(d["choices"][0]) >= {"index", "logprobs", "finish_reason", "stop_reason"}
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 2) + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    if model is ChatCompletionChunk:
+        assert raw[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert [d["choices"][0]["delta"] for d in raw[1:-1]] == [{"content": f" w{i}"} for i in range(3)]
+    else:
+        assert [d["choices"][0]["text"] for d in raw[:-1]] == [f" w{i}" for i in range(3)]
+
+
 def test_sampling_params_reach_the_engine(fake_server):
     s = fake_server()
     _client(s).completions.create(model="fake-model", prompt="a b", max_tokens=5, temperature=0.7, top_p=0.9, seed=11,
@@ -142,7 +168,7 @@ BAD_REQUESTS = [
 def shared_fake():
     from inferlab.server.api import build_app
 
-    with LiveServer(build_app(FakeEngine(), 4)) as s:
+    with LiveServer(build_app(FakeEngine(max_num_seqs=4))) as s:
         yield s
 
 

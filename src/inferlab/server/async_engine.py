@@ -1,11 +1,11 @@
 """The engine behind the event loop: one thread owns LLMEngine and steps it; each request gets an asyncio queue.
 
-`inferlab serve` steps the engine on the process's main thread, the one that loaded the model, and runs the event
-loop on another (`own_thread=False`, then `run_engine`). The reason is OpenMP: libgomp gives every thread that
-starts parallel regions its own team, and once a process holds more OpenMP threads than CPUs (the loading thread's
-team plus a second thread's) their workers stop spinning between regions and sleep, so every kernel call pays a
-futex wake-up. Measured on the 2-core machine with benchmarks/peers.py: batch-1 ITL over HTTP 17.7 ms with the
-engine on its own thread, 12.6 ms on the main one (offline batch 1: ~11 ms).
+Whoever owns the engine steps it with `run_engine()` on a thread of its choosing: `inferlab serve` uses the process's
+main thread, the one that loaded the model, and runs the event loop on another. The reason is OpenMP: libgomp gives
+every thread that starts parallel regions its own team, and once a process holds more OpenMP threads than CPUs (the
+loading thread's team plus a second thread's) their workers stop spinning between regions and sleep, so every kernel
+call pays a futex wake-up. Measured on the 2-core machine with benchmarks/peers.py: batch-1 ITL over HTTP 17.7 ms
+with the engine on its own thread, 12.6 ms on the main one (offline batch 1: ~11 ms).
 
 The engine is not thread-safe, so everything that touches it (add, abort, step, stats) runs on its thread. The event
 loop only appends commands to two deques and sets an event; the engine thread drains them between steps, so an abort
@@ -18,15 +18,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.outputs import EngineStats, RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
+from inferlab.server.engine_client import EngineClient
 from inferlab.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from inferlab.engine.llm_engine import Prompt
 
 log = logging.getLogger("inferlab.server")
 
@@ -37,7 +40,6 @@ class QueueFullError(Exception):
     def __init__(self, num_waiting: int, max_queue: int):
         super().__init__(f"the server is at capacity: {num_waiting} requests are already waiting "
                          f"(limit --max-queue {max_queue}); retry shortly")
-        self.num_waiting = num_waiting
 
 
 class EngineDeadError(RuntimeError):
@@ -74,7 +76,7 @@ class RequestStream:
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    prompt: str | list[int] | list[dict[str, Any]]
+    prompt: Prompt
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None
@@ -83,14 +85,13 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, max_num_seqs: int, max_queue: int, metrics: ServerMetrics | None = None,
-                 own_thread: bool = True):
-        """own_thread=False: start() does not start a thread; the caller steps the engine with run_engine()."""
-        self.own_thread = own_thread
+    """start() and shutdown() run on the event loop (the app's lifespan); run_engine() on the engine's thread."""
+
+    def __init__(self, engine: EngineClient, max_queue: int, metrics: ServerMetrics):
         self._loop_ready = threading.Event()
         self._engine_done = threading.Event()
         self.engine = engine
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = engine.config.max_num_seqs
         self.max_queue = max_queue
         self.metrics = metrics
         self.stats = EngineStats()  # as of the end of the engine's last step (event-loop side)
@@ -103,28 +104,22 @@ class AsyncEngine:
         # Adds submitted that the last published stats do not yet reflect (they may be waiting).
         self._unseen_adds = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ event-loop side
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self.own_thread:
-            self._thread = threading.Thread(target=self._run, name="inferlab-engine", daemon=True)
-            self._thread.start()
         self._loop_ready.set()
 
     async def shutdown(self) -> None:
+        """Stops the engine loop and waits until run_engine() has returned."""
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        elif not self.own_thread and self._loop_ready.is_set():
-            await asyncio.to_thread(self._engine_done.wait)
+        await asyncio.to_thread(self._engine_done.wait)
 
-    def run_engine(self, should_stop: Any = lambda: False) -> None:
-        """Step the engine on the calling thread until shutdown() (own_thread=False). Waits for start() first;
-        `should_stop()` is polled while waiting, so a server that fails to start does not block this forever."""
+    def run_engine(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Step the engine on the calling thread until shutdown(). Waits for start() first; `should_stop()` is
+        polled while waiting, so a server that fails to start does not block this forever."""
         while not self._loop_ready.wait(0.1):
             if should_stop():
                 return
@@ -144,24 +139,22 @@ class AsyncEngine:
         free = self.max_num_seqs - s.num_running if s.num_waiting == 0 else 0
         return s.num_waiting + max(0, self._unseen_adds - free)
 
-    async def add_request(self, request_id: str, prompt: str | list[int] | list[dict[str, Any]],
-                          params: SamplingParams, cache_salt: str | None = None, fill_context: bool = False,
-                          arrival_time: float | None = None) -> RequestStream:
-        """Raises QueueFullError at once when the queue is full, InvalidRequestError when the engine refuses it."""
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                          fill_context: bool, arrival_time: float) -> RequestStream:
+        """fill_context: max_tokens was unset, so generate until the context is full (see _fill_context).
+        Raises QueueFullError at once when the queue is full, InvalidRequestError when the engine refuses it."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         waiting = self.num_waiting()
         if waiting >= self.max_queue:
-            if self.metrics:
-                self.metrics.rejected("queue_full")
+            self.metrics.rejected("queue_full")
             raise QueueFullError(waiting, self.max_queue)
         assert self._loop is not None, "AsyncEngine.start() was not called"
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, params.max_tokens, arrival_time=arrival)
+        stream = RequestStream(request_id, params.max_tokens, arrival_time=arrival_time)
         future: asyncio.Future[int] = self._loop.create_future()
         self._streams[request_id] = stream
         self._unseen_adds += 1
-        self._adds.append(_Add(request_id, prompt, params, arrival, cache_salt, fill_context, future))
+        self._adds.append(_Add(request_id, prompt, params, arrival_time, cache_salt, fill_context, future))
         self._wake.set()
         try:
             stream.num_prompt_tokens = await future
@@ -180,8 +173,7 @@ class AsyncEngine:
             return
         self._aborts.append(request_id)
         self._wake.set()
-        if self.metrics:
-            self.metrics.request_finished("abort", None, stream.num_prompt_tokens, 0, stream.max_tokens)
+        self.metrics.request_finished("abort", None, stream.num_prompt_tokens, 0, stream.max_tokens)
 
     def _resolve_adds(self, results: list[tuple[asyncio.Future[int], int | BaseException]]) -> None:
         for future, result in results:
@@ -195,8 +187,7 @@ class AsyncEngine:
     def _publish(self, outputs: list[RequestOutput], stats: EngineStats, num_added: int) -> None:
         self.stats = stats
         self._unseen_adds -= num_added
-        if self.metrics:
-            self.metrics.engine.stats = stats
+        self.metrics.engine.stats = stats
         streams = self._streams
         for out in outputs:
             stream = streams.get(out.request_id)
@@ -204,9 +195,8 @@ class AsyncEngine:
                 continue  # aborted: its handler is gone
             if out.finished:
                 del streams[out.request_id]
-                if self.metrics:
-                    self.metrics.request_finished(out.finish_reason or "error", out.metrics, out.num_prompt_tokens,
-                                                  out.num_output_tokens, stream.max_tokens)
+                self.metrics.request_finished(out.finish_reason or "error", out.metrics, out.num_prompt_tokens,
+                                              out.num_output_tokens, stream.max_tokens)
             stream.queue.put_nowait(out)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -264,8 +254,7 @@ class AsyncEngine:
             num_aborted += 1
         return num_added, num_aborted
 
-    def _fill_context(self, prompt: str | list[int] | list[dict[str, Any]],
-                      params: SamplingParams) -> list[int]:
+    def _fill_context(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         """A request without max_tokens generates until the context is full (OpenAI's default for chat): tokenize
         once here, size max_tokens from the prompt, and hand the engine the ids."""
         ids, _ = self.engine.tokenize_prompt(prompt)

@@ -92,9 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # The engine steps on this thread, the one that loaded the model, and HTTP runs on another: see
     # server/async_engine.py for why (OpenMP teams; batch-1 decode 1.8x slower on a second thread).
-    app = build_app(engine, engine_config.max_num_seqs,
-                    ServerConfig(max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys),
-                    engine_thread=False)
+    app = build_app(engine, ServerConfig(max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys))
     auth = f"{len(keys)} API key(s)" if keys else "no auth"
     print(f"inferlab serve: {engine.model_name} (context {engine.max_model_len}) on http://{args.host}:{args.port}"
           f" | max-num-seqs {engine_config.max_num_seqs}, max-queue {args.max_queue}, {auth}", flush=True)
@@ -112,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, stop)
     http = threading.Thread(target=server.run, name="inferlab-http")
     http.start()
-    app.state.async_engine.run_engine(should_stop=lambda: not http.is_alive())
+    app.state.server.engine.run_engine(should_stop=lambda: not http.is_alive())
     http.join()
     if not server.started:  # uvicorn said why (a port in use, ...) and exits 3 on its own thread: so do we
         print("inferlab serve: the HTTP server did not start (see the error above)", file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""The OpenAI API as vLLM serves it: request and response models, and the error object.
+"""The OpenAI API as vLLM serves it: request, response and stream-chunk models, and the error object. Every JSON the
+server sends is one of these models.
 
 Requests accept unknown fields and ignore them (vLLM's behaviour: clients send extras such as `user`), but a known
 OpenAI parameter that we do not implement is refused with a 400 naming it when set to anything but its default,
@@ -7,12 +8,14 @@ so that nobody silently gets a different sampling than they asked for.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.outputs import RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- errors
@@ -38,8 +41,8 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
 
 def invalid(message: str, param: str | None = None) -> APIError:
@@ -98,14 +101,14 @@ class _SamplingFields(BaseModel):
             if name in _UNSUPPORTED_IF_SET and value not in _UNSUPPORTED_IF_SET[name]:
                 raise invalid(f"{name} is not supported by this server", name)
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
                 seed=self.seed,
-                max_tokens=max_tokens if max_tokens is not None else 16,
+                max_tokens=max_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=bool(self.ignore_eos),
@@ -141,6 +144,7 @@ _UNSUPPORTED_IF_SET: dict[str, tuple] = {
 
 
 class CompletionRequest(_SamplingFields):
+    prompt_field: ClassVar[str] = "prompt"  # the `param` of an error about the prompt
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]] = Field(
         ..., description="A string or a list of token ids. A batch of several prompts is not supported.")
     max_tokens: int | None = Field(16, ge=1)
@@ -161,6 +165,10 @@ class CompletionRequest(_SamplingFields):
         if isinstance(one, list) and not one:
             raise invalid("prompt must not be empty", "prompt")
         return one  # type: ignore[return-value]
+
+    @property
+    def max_output_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens  # vLLM's default, also for an explicit null
 
 
 class TextContentPart(BaseModel):
@@ -186,6 +194,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    prompt_field: ClassVar[str] = "messages"
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -213,22 +222,26 @@ class UsageInfo(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
 
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    @classmethod
+    def of(cls, last: RequestOutput) -> UsageInfo:
+        """The usage of a request, from its finishing delta."""
+        return cls(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
+                   total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens))
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int = 0
-    text: str
     logprobs: None = None
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None = None
+    finish_reason: FinishReason | None  # None until the last chunk of a stream
+    stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that ended it
+
+
+class CompletionChoice(_Choice):
+    text: str
 
 
 class CompletionResponse(BaseModel):
@@ -240,17 +253,20 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class CompletionChunk(CompletionResponse):
+    """One event of a streamed completion (OpenAI names it `text_completion` too); with include_usage, a last one
+    with no choices carries the usage."""
+
+    usage: UsageInfo | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: FinishReason | None
-    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -260,6 +276,47 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    content: str = ""
+
+
+class RoleDelta(BaseModel):
+    """Only the first chunk of a chat stream names the role, as OpenAI's do."""
+
+    role: Literal["assistant"]
+    content: str = ""
+
+
+class ChatStreamChoice(_Choice):
+    delta: RoleDelta | DeltaMessage
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None  # null but in the last chunk (with include_usage), as OpenAI's
+
+
+def sse(event: BaseModel) -> str:
+    """One server-sent event carrying `event` as JSON."""
+    return f"data: {event.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+_TEXT_MARK = "\x00"  # JSON "\u0000": nowhere else in a chunk (ids are hex, a model name is a file name)
+
+
+def sse_with_text(chunk: Callable[[str], BaseModel]) -> Callable[[str], str]:
+    """`text -> sse(chunk(text))`, for the chunk a stream sends per token. pydantic costs tens of microseconds per
+    chunk (~150x two string concatenations) and this runs for every token of every stream, so the model is
+    serialised once, with a marker for the text, and each token's text is spliced into it."""
+    head, tail = sse(chunk(_TEXT_MARK)).split(json.dumps(_TEXT_MARK))
+    return lambda text: head + json.dumps(text) + tail
 
 
 class ModelCard(BaseModel):
