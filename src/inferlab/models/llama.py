@@ -1,6 +1,15 @@
 """Llama-architecture decoder for batched serving: a flat batch of tokens from many sequences in, hidden states out.
 
 Q/K/V and gate/up projections are fused into one matmul each, so a layer is four matmuls plus attention.
+
+Decode runs in C++ where it can: a decode-only step with bf16 on the CPU and inferlab's kernels behind every
+projection goes through kernels/decode_layers.cpp, all layers in one call (LlamaModel.build_decode_plan). That
+is a second implementation of LlamaDecoderLayer.forward below (with LlamaAttention's fused rotary path,
+PagedAttention._decode, LlamaMLP, RMSNorm, and each projection's forward()), kept in step with it by construction
+and by test: it calls the same kernels in the same order, each projection describes itself through
+KernelLinear.plan_linear (layers/packed_linear.py) as a PlanLinear whose kind is a kernels.ProjKind, and
+tests/models/test_decode_plan.py checks that greedy generations are token-identical with the plan and without it.
+A change to the layers' kernel path must be made on both sides.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from torch import nn
 from inferlab.kernels import cpu_kernels, kernels_for
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
+from inferlab.layers.packed_linear import KernelLinear, PackedLinear
 from inferlab.layers.rotary import RotaryEmbedding, apply_rotary
 from inferlab.models.config import ModelConfig
 
@@ -119,7 +129,7 @@ class LlamaModel(nn.Module):
         layers, max_tokens = [], 1 << 62
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
-            projs = [m.plan_linear() if hasattr(m, "plan_linear") else None
+            projs = [m.plan_linear() if isinstance(m, KernelLinear) else None
                      for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
                 return False
@@ -173,6 +183,6 @@ class LlamaForCausalLM(nn.Module):
         n = hidden.shape[0]
         if self.pad_rows and batch_invariant_rows(n) > n:
             return self.lm_head(F.pad(hidden, (0, 0, 0, batch_invariant_rows(n) - n)))[:n].float()
-        if hasattr(self.lm_head, "forward_float"):
+        if isinstance(self.lm_head, PackedLinear):
             return self.lm_head.forward_float(hidden)  # bf16 on the CPU: the packed kernel's fp32 sums
         return self.lm_head(hidden).float()
