@@ -165,11 +165,22 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.pad_rows = False  # set for CPU float32 by the model runner, see batch_invariant_rows
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._set_pad_rows()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._set_pad_rows()  # after every device or dtype move (.to(), to_empty(), .float(), ...)
+        return self
+
+    def _set_pad_rows(self) -> None:
+        # CPU float32 steps are padded to batch_invariant_rows. The norm weight stays in the model's float dtype
+        # whatever quantization replaced.
+        w = self.model.norm.weight
+        self.pad_rows = w.device.type == "cpu" and w.dtype == torch.float32
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
