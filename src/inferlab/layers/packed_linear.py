@@ -64,12 +64,8 @@ def packed_bytes(packed: torch.Tensor) -> int:
 
 
 class KernelLinear(nn.Module):
-    """A bias-free linear layer that inferlab's kernels multiply by, whatever form it keeps its weight in: packed
-    bf16 (PackedLinear below) or quantized (quant/linear.py, QuantLinear). The one-call decode path
-    (kernels/decode_layers.cpp) runs exactly these layers, each through the PlanLinear it describes itself by."""
-
-    in_features: int
-    out_features: int
+    """A bias-free linear layer that inferlab's kernels multiply by: packed bf16 (PackedLinear below) or quantized
+    (quant/linear.py, QuantLinear). The one-call decode path (kernels/decode_layers.cpp) runs only these."""
 
     def plan_linear(self):
         """This projection as a kernels.PlanLinear, which decode_layers.cpp multiplies by exactly as forward()
@@ -77,8 +73,7 @@ class KernelLinear(nn.Module):
         raise NotImplementedError
 
     def pack_dense(self) -> int:
-        """Keep a packed bf16 copy of the weight for large steps; returns the bytes added (0 where there is none
-        to add)."""
+        """Keep a packed bf16 copy of the weight for large steps; returns the bytes added."""
         return 0
 
 
@@ -113,7 +108,7 @@ class PackedLinear(KernelLinear):
         if self.packed.is_mkldnn or x.requires_grad or x.dtype != torch.bfloat16:
             return self(x).float()
         return gemv_kernels().packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
-                                               fp32_out=True).reshape(*x.shape[:-1], self.out_features)
+                                            fp32_out=True).reshape(*x.shape[:-1], self.out_features)
 
     def plan_linear(self):
         """ProjKind.PACKED: the packed weight at every step size, as forward() multiplies by it."""

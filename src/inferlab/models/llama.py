@@ -112,12 +112,11 @@ class LlamaModel(nn.Module):
         return x
 
     def build_decode_plan(self) -> bool:
-        """Prepare the one-call path for decode-only steps (kernels/decode_layers.cpp): every layer in one C++
-        call, running the same kernels in the same order as the layers below would at that step size. It applies
-        where every projection has a kernel of inferlab's own for small steps and the activations, norms and KV
-        pool are one dtype the kernels take (bf16 on the CPU); steps past a projection's kernel need its packed
-        weight, so the plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed weights).
-        Call after the KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
+        """Prepare the one-call path for decode-only steps (see the module's docstring). It applies where every
+        projection has a kernel of inferlab's own for small steps and the activations, norms and KV pool are one
+        dtype the kernels take (bf16 on the CPU); steps past a projection's kernel need its packed weight, so the
+        plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed weights). Call after the
+        KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
         self.decode_plan, self.decode_plan_max_tokens = None, 0
         kernels = cpu_kernels()
         first = self.layers[0]
@@ -177,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         return self
 
     def _set_pad_rows(self) -> None:
-        # CPU float32 steps are padded to batch_invariant_rows. The norm weight stays in the model's float dtype
+        # CPU float32 steps are padded to batch_invariant_rows. The norm weight keeps the model's float dtype
         # whatever quantization replaced.
         w = self.model.norm.weight
         self.pad_rows = w.device.type == "cpu" and w.dtype == torch.float32
