@@ -30,6 +30,10 @@ def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
     model = llm.engine.runner.model.model
     assert model.decode_plan is not None
     kernels, calls = cpu_kernels(), []
+    # Every projection is handed to C++ as the kind of layer it is (the tied LM head is not a layer's projection).
+    kind = {"none": kernels.ProjKind.PACKED, "int8": kernels.ProjKind.INT8, "int4": kernels.ProjKind.INT4}
+    assert {getattr(layer, n).kind for layer in model.decode_plan.layers
+            for n in ("qkv", "o", "gate_up", "down")} == {kind[quantization]}
     real = kernels.decode_layers
     monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
     with_plan = _generate(llm)

@@ -100,3 +100,14 @@ def test_none_changes_nothing_and_bad_input_is_refused():
     with pytest.raises(ValueError, match="model.layers.0.self_attn.qkv_proj: int4 group size 96"):
         quantize_model(net, "int4", 96)
     assert isinstance(net.lm_head, nn.Linear)  # refused before anything was replaced
+
+
+def test_the_model_pads_rows_where_its_own_dtype_and_device_need_it():
+    net = tiny_model(torch.float32)
+    assert net.pad_rows  # CPU float32: MKL's sgemm rounds a row by the batch's row count (batch_invariant_rows)
+    assert not net.to(torch.bfloat16).pad_rows  # every move decides again
+    assert net.float().pad_rows
+    quantize_model(net, "int8")  # the quantized layers keep their own dtypes; the model's stays float32
+    assert net.pad_rows
+    with torch.device("meta"):
+        assert not LlamaForCausalLM(CFG).pad_rows

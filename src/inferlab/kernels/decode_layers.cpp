@@ -2,11 +2,16 @@
 //
 // At batch 1 a SmolLM2-135M step runs ~13 kernels in each of 30 layers, and each one reached from Python through
 // nn.Module calls, dtype checks and pybind cost ~5-8 us: ~2.5 ms of a ~9 ms int4 step was that glue (measured by
-// timing the layers against the kernels inside them). Here the same kernels run in the same order with the same
-// arguments as the Python path (models/llama.py), so the result is bit-identical to it; only the glue is gone.
-// Python builds a DecodePlan once (the weights in whichever form each projection holds them, and each layer's
-// slice of the KV pool) and uses it for every decode-only step its projections can take (all of them with packed
-// weights). At 16 sequences the glue was ~3.4 ms of a 36 ms step (measured).
+// timing the layers against the kernels inside them). At 16 sequences the glue was ~3.4 ms of a 36 ms step (measured).
+//
+// This is a second implementation of the Python decoder layers, kept paired with them: the loop below mirrors
+// models/llama.py (LlamaDecoderLayer.forward with LlamaAttention, PagedAttention._decode and LlamaMLP on their
+// kernel paths, layers/norm.py's RMSNorm), and PlanLinear (decode_layers.h) mirrors the forward() of the layer
+// each ProjKind names. The same kernels run in the same order with the same arguments, so the result is
+// bit-identical; only the glue is gone. Python builds a DecodePlan once (LlamaModel.build_decode_plan: the weights
+// in whichever form each projection holds them, and each layer's slice of the KV pool) and uses it for every
+// decode-only step its projections can take (all of them with packed weights). A change to either side must keep
+// tests/models/test_decode_plan.py passing: greedy generations token-identical with the plan and without it.
 
 #include "decode_layers.h"
 

@@ -1,4 +1,4 @@
-// The plan decode_layers.cpp runs: built once in Python (models/llama.py, decode_plan), used every small step.
+// The plan decode_layers.cpp runs: built once in Python (models/llama.py, build_decode_plan), used every small step.
 #pragma once
 
 #include "kernels.h"
@@ -8,11 +8,15 @@
 #include <tuple>
 #include <vector>
 
-// One projection. Kind 0: bf16, the weight packed for packed_linear at every step size. Kinds 1 (int8: q, scales)
-// and 2 (int4: q, d, m as int16 bits, group): inferlab's kernel for steps of up to kernel_max_tokens rows, the packed
-// bf16 copy of the dequantized weight beyond (where there is one; else the plan only runs steps the kernel takes).
+// How a projection multiplies, each kind set by the Python layer it stands for (bound as kernels.ProjKind):
+//   PACKED (layers/packed_linear.py, PackedLinear): bf16, the weight packed for packed_linear at every step size.
+//   INT8 (quant/int8.py: a = q, b = scales) and INT4 (quant/int4.py: a = q, b = d, c = m as int16 bits, group):
+//   inferlab's kernel for steps of up to kernel_max_tokens rows, the packed bf16 copy of the dequantized weight
+//   beyond (where there is one; else the plan only runs steps the kernel takes), as QuantLinear.forward does.
+enum class ProjKind : int64_t { PACKED, INT8, INT4 };
+
 struct PlanLinear {
-  int64_t kind = 0;
+  ProjKind kind = ProjKind::PACKED;
   torch::Tensor a, b, c;
   int64_t group = 0;
   int64_t kernel_max_tokens = 0;
@@ -20,11 +24,11 @@ struct PlanLinear {
   int64_t out_features = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == 0 || x.size(0) > kernel_max_tokens) {
+    if (kind == ProjKind::PACKED || x.size(0) > kernel_max_tokens) {
       TORCH_CHECK(packed.defined(), "a step of ", x.size(0), " tokens is past this projection's kernel");
       return packed_linear(x, packed, out_features, false);
     }
-    return kind == 1 ? int8_linear(x, a, b) : int4_linear(x, a, b, c, group);
+    return kind == ProjKind::INT8 ? int8_linear(x, a, b) : int4_linear(x, a, b, c, group);
   }
 };
 

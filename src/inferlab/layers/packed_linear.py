@@ -21,20 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferlab.kernels import gemv_kernels
+
 # Without inferlab's kernel, steps of at most this many rows use torch's gemv instead of oneDNN.
 GEMV_MAX_ROWS = 2
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and (
-        _packed_kernels() is not None
+        gemv_kernels() is not None
         or (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")))
-
-
-def _packed_kernels():
-    from inferlab.kernels import gemv_kernels
-
-    return gemv_kernels()
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -51,7 +47,7 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """The packed copy a CPU bf16 layer multiplies by: inferlab's layout where its kernel runs, else oneDNN's."""
     with torch.no_grad():
-        if _packed_kernels() is not None and weight.shape[1] % 2 == 0:
+        if gemv_kernels() is not None and weight.shape[1] % 2 == 0:
             return pack_bf16(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 64)
 
@@ -60,14 +56,28 @@ def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch
     """x [T, in] bf16 @ the weight `pack_weight` packed -> [T, out]."""
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return _packed_kernels().packed_linear(x, packed, out_features)
+    return gemv_kernels().packed_linear(x, packed, out_features)
 
 
 def packed_bytes(packed: torch.Tensor) -> int:
     return packed.numel() * packed.element_size()
 
 
-class PackedLinear(nn.Module):
+class KernelLinear(nn.Module):
+    """A bias-free linear layer that inferlab's kernels multiply by: packed bf16 (PackedLinear below) or quantized
+    (quant/linear.py, QuantLinear). The one-call decode path (kernels/decode_layers.cpp) runs only these."""
+
+    def plan_linear(self):
+        """This projection as a kernels.PlanLinear, which decode_layers.cpp multiplies by exactly as forward()
+        would at that step size; None where inferlab's kernels do not multiply it."""
+        raise NotImplementedError
+
+    def pack_dense(self) -> int:
+        """Keep a packed bf16 copy of the weight for large steps; returns the bytes added."""
+        return 0
+
+
+class PackedLinear(KernelLinear):
     """Stands in for a bias-free `nn.Linear` in bf16 on the CPU; `weight` stays the plain [out, in] tensor (shared
     with a tied embedding where there is one)."""
 
@@ -97,16 +107,16 @@ class PackedLinear(nn.Module):
         """forward() in fp32 (logits): inferlab's kernel hands over its fp32 sums without rounding them to bf16."""
         if self.packed.is_mkldnn or x.requires_grad or x.dtype != torch.bfloat16:
             return self(x).float()
-        return _packed_kernels().packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
-                                               fp32_out=True).reshape(*x.shape[:-1], self.out_features)
+        return gemv_kernels().packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
+                                            fp32_out=True).reshape(*x.shape[:-1], self.out_features)
 
     def plan_linear(self):
-        """This projection for kernels/decode_layers.cpp, which runs it as forward() does (kind 0: the packed
-        weight at every step size). None where inferlab's kernel does not multiply it."""
+        """ProjKind.PACKED: the packed weight at every step size, as forward() multiplies by it."""
         if self.packed.is_mkldnn:
             return None
-        p = _packed_kernels().PlanLinear()
-        p.kind, p.packed, p.out_features = 0, self.packed, self.out_features
+        kernels = gemv_kernels()
+        p = kernels.PlanLinear()
+        p.kind, p.packed, p.out_features = kernels.ProjKind.PACKED, self.packed, self.out_features
         return p
 
     def extra_repr(self) -> str:
@@ -117,9 +127,7 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every bias-free bf16 `nn.Linear` of a CPU model by a PackedLinear, and give every quantized layer its
     packed bf16 copy for large steps (quant/linear.py). Returns the bytes added."""
-    from inferlab.quant.linear import QuantLinear
-
-    added = sum(m.pack_dense() for m in model.modules() if isinstance(m, QuantLinear))
+    added = sum(m.pack_dense() for m in model.modules() if isinstance(m, KernelLinear))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.bias is None and packing_available(child.weight.device,

@@ -26,7 +26,6 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
-    bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = ""
 
@@ -123,7 +122,6 @@ def _from_gguf(path: Path) -> ModelConfig:
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in meta["_tensor_names"],
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         name=meta.get("general.name", path.stem),
     )
@@ -148,7 +146,6 @@ def _from_hf(path: Path) -> ModelConfig:
         rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         name=path.name,
     )

@@ -1,6 +1,15 @@
 """Llama-architecture decoder for batched serving: a flat batch of tokens from many sequences in, hidden states out.
 
 Q/K/V and gate/up projections are fused into one matmul each, so a layer is four matmuls plus attention.
+
+Decode runs in C++ where it can: a decode-only step with bf16 on the CPU and inferlab's kernels behind every
+projection goes through kernels/decode_layers.cpp, all layers in one call (LlamaModel.build_decode_plan). That
+is a second implementation of LlamaDecoderLayer.forward below (with LlamaAttention's fused rotary path,
+PagedAttention._decode, LlamaMLP, RMSNorm, and each projection's forward()), kept in step with it by construction
+and by test: it calls the same kernels in the same order, each projection describes itself through
+KernelLinear.plan_linear (layers/packed_linear.py) as a PlanLinear whose kind is a kernels.ProjKind, and
+tests/models/test_decode_plan.py checks that greedy generations are token-identical with the plan and without it.
+A change to the layers' kernel path must be made on both sides.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from torch import nn
 from inferlab.kernels import cpu_kernels, kernels_for
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
+from inferlab.layers.packed_linear import KernelLinear, PackedLinear
 from inferlab.layers.rotary import RotaryEmbedding, apply_rotary
 from inferlab.models.config import ModelConfig
 
@@ -102,12 +112,11 @@ class LlamaModel(nn.Module):
         return x
 
     def build_decode_plan(self) -> bool:
-        """Prepare the one-call path for decode-only steps (kernels/decode_layers.cpp): every layer in one C++
-        call, running the same kernels in the same order as the layers below would at that step size. It applies
-        where every projection has a kernel of inferlab's own for small steps and the activations, norms and KV
-        pool are one dtype the kernels take (bf16 on the CPU); steps past a projection's kernel need its packed
-        weight, so the plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed weights).
-        Call after the KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
+        """Prepare the one-call path for decode-only steps (see the module's docstring). It applies where every
+        projection has a kernel of inferlab's own for small steps and the activations, norms and KV pool are one
+        dtype the kernels take (bf16 on the CPU); steps past a projection's kernel need its packed weight, so the
+        plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed weights). Call after the
+        KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
         self.decode_plan, self.decode_plan_max_tokens = None, 0
         kernels = cpu_kernels()
         first = self.layers[0]
@@ -119,7 +128,7 @@ class LlamaModel(nn.Module):
         layers, max_tokens = [], 1 << 62
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
-            projs = [m.plan_linear() if hasattr(m, "plan_linear") else None
+            projs = [m.plan_linear() if isinstance(m, KernelLinear) else None
                      for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
                 return False
@@ -155,11 +164,22 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.pad_rows = False  # set for CPU float32 by the model runner, see batch_invariant_rows
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._set_pad_rows()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._set_pad_rows()  # after every device or dtype move (.to(), to_empty(), .float(), ...)
+        return self
+
+    def _set_pad_rows(self) -> None:
+        # CPU float32 steps are padded to batch_invariant_rows. The norm weight keeps the model's float dtype
+        # whatever quantization replaced.
+        w = self.model.norm.weight
+        self.pad_rows = w.device.type == "cpu" and w.dtype == torch.float32
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
@@ -173,6 +193,6 @@ class LlamaForCausalLM(nn.Module):
         n = hidden.shape[0]
         if self.pad_rows and batch_invariant_rows(n) > n:
             return self.lm_head(F.pad(hidden, (0, 0, 0, batch_invariant_rows(n) - n)))[:n].float()
-        if hasattr(self.lm_head, "forward_float"):
+        if isinstance(self.lm_head, PackedLinear):
             return self.lm_head.forward_float(hidden)  # bf16 on the CPU: the packed kernel's fp32 sums
         return self.lm_head(hidden).float()

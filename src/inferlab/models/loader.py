@@ -5,24 +5,17 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from inferlab.common.errors import ModelLoadError
+from inferlab.layers.rotary import RotaryEmbedding
 from inferlab.models.config import ModelConfig, open_gguf, read_model_config, resolve_model_path
 from inferlab.models.llama import LlamaForCausalLM
-
-
-@dataclass(slots=True)
-class RawTensor:
-    """A weight as stored in the GGUF file (for quantized loading without a dequantize-requantize round trip)."""
-
-    ggml_type: str  # "Q4_1", "Q8_0", "F32", ...
-    data: np.ndarray  # uint8 [out_rows, bytes_per_row], rows in the same order as the float weight
-    shape: tuple[int, int]  # (out, in)
+from inferlab.quant import RawGGUFWeight, quantize_model
 
 
 @dataclass(slots=True)
@@ -30,7 +23,6 @@ class LoadedModel:
     model: LlamaForCausalLM
     config: ModelConfig
     path: Path
-    raw: dict[str, RawTensor] = field(default_factory=dict)  # keyed by the nn.Linear's qualified name
     load_seconds: float = 0.0
     quant_path: str = "none"  # how the weights were quantized, for the log and /metrics
 
@@ -41,7 +33,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, cfg: ModelConfig, keep_raw: bool) -> tuple[dict[str, torch.Tensor], dict[str, RawTensor]]:
+def _load_gguf(path: Path, cfg: ModelConfig,
+               keep_raw: bool) -> tuple[dict[str, torch.Tensor], dict[str, RawGGUFWeight]]:
+    """The float state dict, and (keep_raw) each linear weight as the file stores it, keyed by the nn.Linear's
+    qualified name (for quantized loading without a dequantize-requantize round trip)."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
@@ -56,7 +51,7 @@ def _load_gguf(path: Path, cfg: ModelConfig, keep_raw: bool) -> tuple[dict[str, 
         return np.asarray(t.data).view(np.uint8).reshape(int(t.shape[-1]), -1)
 
     sd: dict[str, torch.Tensor] = {}
-    raw: dict[str, RawTensor] = {}
+    raw: dict[str, RawGGUFWeight] = {}
 
     def fused(dst: str, parts: list[tuple[str, int | None]]) -> None:
         """parts: (gguf name, heads to un-permute by or None). Rows are concatenated in order."""
@@ -67,15 +62,15 @@ def _load_gguf(path: Path, cfg: ModelConfig, keep_raw: bool) -> tuple[dict[str, 
             if len(types) == 1:
                 rows = [_unpermute(raw_rows(n), h) if h else raw_rows(n) for n, h in parts]
                 data = np.ascontiguousarray(np.concatenate(rows, axis=0))
-                raw[dst] = RawTensor(types.pop(), data, tuple(sd[dst + ".weight"].shape))
+                raw[dst] = RawGGUFWeight(types.pop(), data, tuple(sd[dst + ".weight"].shape))
 
     sd["model.embed_tokens.weight"] = torch.from_numpy(floats("token_embd.weight").copy())
     sd["model.norm.weight"] = torch.from_numpy(floats("output_norm.weight").copy())
     if "output.weight" in tensors:
         fused("lm_head", [("output.weight", None)])
     elif keep_raw:
-        raw["lm_head"] = RawTensor(tensors["token_embd.weight"].tensor_type.name, raw_rows("token_embd.weight"),
-                                   (cfg.vocab_size, cfg.hidden_size))
+        t = tensors["token_embd.weight"]
+        raw["lm_head"] = RawGGUFWeight(t.tensor_type.name, raw_rows(t.name), (cfg.vocab_size, cfg.hidden_size))
     for i in range(cfg.num_layers):
         b, p = f"blk.{i}.", f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = torch.from_numpy(floats(b + "attn_norm.weight").copy())
@@ -121,8 +116,6 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         net = LlamaForCausalLM(cfg)
     net = net.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them on the real device.
-    from inferlab.layers.rotary import RotaryEmbedding
-
     net.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     missing, unexpected = net.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
@@ -132,12 +125,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         net.lm_head.weight = net.model.embed_tokens.weight
     net = net.to(device=device, dtype=dtype).eval()
     net.requires_grad_(False)
-    loaded = LoadedModel(net, cfg, path, raw)
+    loaded = LoadedModel(net, cfg, path)
     if quantization != "none":
-        from inferlab.quant import quantize_model
-
         loaded.quant_path = quantize_model(net, quantization, quant_group_size, raw=raw)
-    loaded.raw = {}
     loaded.load_seconds = time.perf_counter() - t0
     return loaded
 

@@ -19,7 +19,7 @@ BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 
 @dataclass(slots=True)
 class RawGGUFWeight:
-    """One linear weight as the GGUF file stores it (the loader's RawTensor has the same fields)."""
+    """One linear weight as the GGUF file stores it (models/loader.py reads these for quantize_model)."""
 
     ggml_type: str  # "Q4_1", "Q8_0", "F32", ...
     data: np.ndarray  # uint8 [out_rows, bytes_per_row]: rows already permuted/fused like the float weight

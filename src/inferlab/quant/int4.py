@@ -114,8 +114,8 @@ class Int4Linear(QuantLinear):
         # The kernel reads the int16 buffers as the fp16 bit patterns they are.
         return kernels.int4_linear(x, self.qweight, self.scales, self.mins, self.group_size)
 
-    def _plan_fields(self, p) -> None:
-        p.kind, p.a, p.b, p.c, p.group = 2, self.qweight, self.scales, self.mins, self.group_size
+    def _plan_fields(self, p, kinds) -> None:
+        p.kind, p.a, p.b, p.c, p.group = kinds.INT4, self.qweight, self.scales, self.mins, self.group_size
 
     def extra_repr(self) -> str:
         src = ", from GGUF Q4_1" if self.from_q4_1 else ""

@@ -72,8 +72,8 @@ class Int8Linear(QuantLinear):
     def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_linear(x, self.qweight, self.scales)
 
-    def _plan_fields(self, p) -> None:
-        p.kind, p.a, p.b = 1, self.qweight, self.scales
+    def _plan_fields(self, p, kinds) -> None:
+        p.kind, p.a, p.b = kinds.INT8, self.qweight, self.scales
 
 
 class _TorchInt8Kernel:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from inferlab.layers.packed_linear import pack_weight, packed_bytes, packed_mm, packing_available
+from inferlab.kernels import gemv_kernels
+from inferlab.layers.packed_linear import KernelLinear, pack_weight, packed_bytes, packed_mm, packing_available
 
 # With a packed bf16 copy the kernel wins up to 4 tokens on every SmolLM2-135M shape, the LM head included, and
 # loses on most from 8 (measured against oneDNN's packed GEMM, docs/benchmarks.md; inferlab's own is faster still).
@@ -31,12 +31,12 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _UNSET = object()
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(KernelLinear):
     """Stands in for `nn.Linear(in_features, out_features, bias=False)`: forward(x [..., in]) -> [..., out] in x's
     dtype.
 
     Subclasses store the quantized weight as buffers (so `.to(device)` moves it and `state_dict()` saves it) and
-    implement `dequantize_rows` and `_kernel_mm`.
+    implement `dequantize_rows`, `_kernel_mm` and `_plan_fields`.
     """
 
     scheme = ""
@@ -84,8 +84,6 @@ class QuantLinear(nn.Module):
     def find_kernels(self):
         """The module with this layer's CPU kernel, or None (other devices, or where the kernels cannot be built):
         then the layer dequantizes (correct, not fast)."""
-        from inferlab.kernels import gemv_kernels
-
         return gemv_kernels() if self.device.type == "cpu" else None
 
     def _lookup_kernels(self):
@@ -100,21 +98,20 @@ class QuantLinear(nn.Module):
         return next(self.buffers()).device
 
     def plan_linear(self):
-        """This projection for kernels/decode_layers.cpp, which runs it as forward() does: inferlab's kernel up to
-        kernel_token_limit() tokens, the packed copy (where there is one) beyond. None without inferlab's kernel."""
-        from inferlab.kernels import gemv_kernels
-
+        """ProjKind.INT8 or INT4, run as forward() runs them: inferlab's kernel up to kernel_token_limit() tokens, the
+        packed copy (where there is one) beyond. None without inferlab's kernel."""
         kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
         if kernels is None or kernels is not gemv_kernels():
             return None
         p = kernels.PlanLinear()
-        self._plan_fields(p)
+        self._plan_fields(p, kernels.ProjKind)
         p.kernel_max_tokens = self.kernel_token_limit()
         if self.packed is not None and not self.packed.is_mkldnn:
             p.packed, p.out_features = self.packed, self.out_features
         return p
 
-    def _plan_fields(self, p) -> None:
+    def _plan_fields(self, p, kinds) -> None:
+        """Set p.kind (one of `kinds`, the bound ProjKind) and the operands decode_layers.h reads for that kind."""
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
