@@ -28,7 +28,6 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                  device: torch.device, pack_weights: bool = True):
         self.model = model
-        model.pad_rows = device.type == "cpu" and next(model.parameters()).dtype == torch.float32
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
