@@ -134,3 +134,43 @@ def test_explicit_choices_win():
     for _ in range(100):
         off.observe(16, 5.0)
     assert off.decisions == [] and off.threads == 2
+
+
+def test_the_engine_starts_within_the_budget_and_keeps_explicit_settings(tmp_path):
+    import torch
+
+    from inferlab.common.cpu_budget import cpu_budget
+    from inferlab.engine.cpu_threads import make_adapter
+
+    before = torch.get_num_threads()
+    try:
+        # A one-CPU cgroup v1 quota through a fake /proc + /sys tree: the team shrinks to one thread at start.
+        (tmp_path / "proc/self").mkdir(parents=True)
+        (tmp_path / "proc/self/status").write_text("Cpus_allowed_list:\t0-7\n")
+        (tmp_path / "proc/self/cgroup").write_text("1:cpu:/job\n")
+        q = tmp_path / "sys/fs/cgroup/cpu/job"
+        q.mkdir(parents=True)
+        (q / "cpu.cfs_quota_us").write_text("100000\n")
+        (q / "cpu.cfs_period_us").write_text("100000\n")
+        assert cpu_budget(tmp_path).threads == 1
+        a = make_adapter(None, root=tmp_path, env={})
+        assert torch.get_num_threads() == 1 and a.levels == [1] and a.decisions[0].reason == "budget"
+        torch.set_num_threads(2)
+        a = make_adapter(None, root="/nonexistent", env={"OMP_WAIT_POLICY": "PASSIVE"})
+        assert not a.adaptive and a.threads == 2 and "OMP_WAIT_POLICY=PASSIVE" in a.decisions[0].detail
+        a = make_adapter(1, env={})
+        assert torch.get_num_threads() == 1 and not a.adaptive and a.levels == [1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_engine_reports_its_threads(llm_fp32):
+    import torch
+
+    from inferlab import SamplingParams
+
+    engine = llm_fp32.engine
+    llm_fp32.generate(["hello"], SamplingParams(max_tokens=3))
+    s = engine.stats()
+    assert s.cpu_threads == engine.cpu_threads.threads == torch.get_num_threads()
+    assert s.cpu_threads_max == engine.cpu_threads.levels[0]
