@@ -193,3 +193,35 @@ def test_both_slow_without_queueing_points_at_the_step():
     busy = run(records(20, 0.9, 0.2), 4, server={"requests_waiting": {"mean": 6, "max": 12}})
     d = diagnose(busy, obj)
     assert titles(d)[0] == "TTFT and decode both degrade: the server is saturated" and d.hypotheses[0].supported
+
+
+def _machine(foreign: float, bench_cores: float = 0.1) -> dict:
+    from inferlab.bench.machine import CLIENT_BUSY, FOREIGN_MAX
+
+    return {"foreign_cpu_share": foreign, "server_cpu_share": 0.4, "bench_cpu_cores": bench_cores,
+            "cpu_pressure_some_avg": 35.0, "contaminated": foreign >= FOREIGN_MAX,
+            "client_bound": bench_cores >= CLIENT_BUSY}
+
+
+def test_a_contaminated_run_is_said_first(tmp_path, capsys):
+    quiet, busy = run(records(20, 0.1, 0.02), 1), run(records(20, 0.9, 0.2), 8)
+    quiet["machine"], busy["machine"] = _machine(0.02), _machine(0.48)
+    d = diagnose({"runs": [quiet, busy]})
+    h = d.hypotheses[0]
+    assert h.title == "the machine was busy: the results are contaminated" and h.supported
+    assert "1 of 2 load point(s)" in h.symptom
+    assert any("c=8: other processes used 48%" in e for e in h.evidence)
+    from inferlab.cli import main
+
+    (tmp_path / "results.json").write_text(json.dumps({"runs": [quiet, busy]}))
+    assert main(["diagnose", str(tmp_path)]) == 0
+    assert "Hypothesis 1: the machine was busy" in capsys.readouterr().out
+
+
+def test_quiet_runs_say_nothing_about_the_machine_and_a_busy_client_is_named():
+    quiet = run(records(20, 0.1, 0.02), 4)
+    quiet["machine"] = _machine(0.01)
+    assert not any("busy" in t for t in titles(diagnose(quiet)))
+    quiet["machine"] = _machine(0.01, bench_cores=0.95)
+    h = next(h for h in diagnose(quiet).hypotheses if h.title == "the load generator fell behind")
+    assert "0.95 CPU cores" in h.symptom and h.evidence

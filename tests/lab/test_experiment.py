@@ -72,8 +72,9 @@ def test_quality_floor_rejects_whatever_the_speed():
 def test_experiment_on_the_fake_server_resumes_and_reports(tmp_path, monkeypatch):
     card = card_from_dict(FAKE_CARD)
     logs: list[str] = []
+    # busy_retries=0: this test counts bench calls, and this machine may be busy (that is tested below).
     exp = Experiment(card, [Variation("itl", ["1ms", "3ms"])], tmp_path, repeats=2, quality=fake_quality,
-                     log=logs.append)
+                     log=logs.append, busy_retries=0)
 
     # Interrupt the second config mid-measurement: the first stays measured.
     calls = {"n": 0}
@@ -182,3 +183,32 @@ def test_quality_from_a_real_eval_report(tmp_path):
     got, note = eval_quality(point, base, tmp_path / "p")
     assert got["perplexity"] == 12.5 and "same numerics as the baseline" in note
     assert got["greedy_agreement"] == 1.0  # identical offline numerics, identical greedy tokens
+
+
+def test_repeats_measured_on_a_busy_machine_are_measured_again_then_flagged(tmp_path, monkeypatch):
+    from inferlab.lab.experiment import BUSY_RETRIES
+
+    card = card_from_dict(FAKE_CARD)
+    real_bench = Experiment._bench
+    calls: list[int] = []
+
+    def busy_bench(self, srv, out, repeat):
+        run = real_bench(self, srv, out, repeat)
+        calls.append(repeat)
+        # repeat 0: busy once, then quiet; repeat 1: busy every time (the neighbour never leaves)
+        busy = (repeat == 0 and calls.count(0) == 1) or repeat == 1
+        run["machine"] = {**(run.get("machine") or {}), "foreign_cpu_share": 0.5 if busy else 0.01,
+                          "contaminated": busy}
+        return run
+
+    monkeypatch.setattr(Experiment, "_bench", busy_bench)
+    logs: list[str] = []
+    (res,) = Experiment(card, [], tmp_path, repeats=2, quality=fake_quality, log=logs.append,
+                        busy_retries=BUSY_RETRIES).run()
+    assert calls == [0, 0] + [1] * (1 + BUSY_RETRIES)
+    assert res.busy_repeats == 1 and len(res.repeats) == 2
+    assert [r["machine"]["contaminated"] for r in res.repeats] == [False, True]
+    assert sum("ran on a busy machine (other processes used 50% of the CPU)" in m for m in logs) == 1 + BUSY_RETRIES
+    assert any("kept, flagged: still a busy machine" in m for m in logs)
+    text = render(card, [res], [], repeats=2, requests=None, command="cmd")
+    assert "- Missing: a quiet machine: repeats of baseline (1) ran beside other CPU work" in text

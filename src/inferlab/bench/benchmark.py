@@ -24,6 +24,7 @@ from pathlib import Path
 from inferlab.bench import arrivals, summary as summary_mod
 from inferlab.bench.client import BenchError, Target, make_session, preflight
 from inferlab.bench.launcher import LaunchError, RunningServer, free_port, inferlab_argv, launch
+from inferlab.bench.machine import MachineSampler, local_server_pid, machine_warnings
 from inferlab.bench.http import Pool
 from inferlab.bench.records import RequestRecord, read_records
 from inferlab.bench.runner import Load, WorkerPlan, install_stop, run_processes, run_worker
@@ -178,14 +179,17 @@ class Benchmark:
             plans[0].num_requests if plans[0].schedule is None else sum(len(p.schedule) for p in plans))
         progress = _Progress(f"[{run + 1}] {load.label}", total, cfg.quiet)
         t_wall = time.time()
+        sampler = MachineSampler(self.server_pid())
+        sampler.start()
         with progress:
             if len(plans) == 1:
                 records, interrupted = await run_worker(plans[0], stop, progress.on_record)
             else:
                 interrupted = await run_processes(plans, stop, progress.set)
                 records = self._merge_parts(plans)
+        machine_use = sampler.stop(workers=len(plans))
         server_metrics = await scraper.stop() if scraper else None
-        warnings = list(wl.warnings)
+        warnings = list(wl.warnings) + machine_warnings(machine_use)
         used = max((r.index for r in records), default=-1) + 1
         if wl.cache_free and used > len(wl.requests):
             warnings.append(f"the workload's {len(wl.requests)} prompts were reused ({used} requests sent): the "
@@ -199,11 +203,20 @@ class Benchmark:
         s["workload"] = wl.spec
         s["workers"] = len(plans)
         s["server_metrics"] = server_metrics
+        s["machine"] = machine_use
         if server_metrics and wl.cache_free and (server_metrics.get("prefix_cache_hit_rate") or 0) > 0.1:
             s["warnings"].append(
                 f"the server reports a {server_metrics['prefix_cache_hit_rate']:.0%} prefix-cache hit rate during "
                 f"a workload meant to be cache-free: results may be faster than cold prompts")
         return s
+
+    def server_pid(self) -> int | None:
+        """The server's pid when it runs on this machine (its CPU is not a neighbour's), found once."""
+        if not hasattr(self, "_server_pid"):
+            proc = self.server.process if self.server else None
+            pid = proc.pid if proc else local_server_pid(self.cfg.target.base_url)
+            self._server_pid = None if pid == os.getpid() else pid  # a server in bench's own process (tests)
+        return self._server_pid
 
     def _merge_parts(self, plans: list[WorkerPlan]) -> list[RequestRecord]:
         records = []

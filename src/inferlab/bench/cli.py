@@ -267,6 +267,10 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.quiet:
         report.print_results(results)
     print(f"results: {outcome.path}")
+    from inferlab.bench.machine import verdict_lines
+
+    for line in verdict_lines(results):
+        print(line, file=sys.stderr)
     print(f"records: {cfg.output_dir / results['records']}   csv: {csv_path}" + (f"   html: {html_path}" if html_path else ""))
     if outcome.interrupted:
         print("interrupted: the summary covers what was measured before the interrupt", file=sys.stderr)

@@ -9,6 +9,7 @@ import torch
 
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.config import EngineConfig
+from inferlab.engine.cpu_threads import ThreadAdapter, make_adapter
 from inferlab.engine.detokenizer import Detokenizer
 from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.model_runner import ModelRunner
@@ -46,12 +47,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)  # unseeded requests draw from torch's global stream
         self.device = resolve_device(config.device)
+        self.cpu_threads: ThreadAdapter | None = None
         if self.device.type == "cpu":
             keep_step_buffers()
+            self.cpu_threads = make_adapter(config.num_threads)
+        elif config.num_threads:
+            torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         loaded = load_model(config.model, self.dtype, self.device, config.quantization, config.quant_group_size)
         self.model_config = cfg = loaded.config
@@ -158,6 +161,8 @@ class LLMEngine:
         if batch:
             outputs += self._run(batch)
         dt = time.perf_counter() - t0
+        if batch and self.cpu_threads is not None:
+            self.cpu_threads.observe(batch.num_tokens, dt)
         self.last_step_time = dt
         self.stats_counters.num_steps_total += 1
         self.stats_counters.step_time_seconds_total += dt
@@ -253,4 +258,8 @@ class LLMEngine:
             c.spec_num_draft_tokens_total = spec.num_draft_tokens
             c.spec_num_accepted_tokens_total = spec.num_accepted_tokens
             c.spec_accepted_per_pos_total = list(spec.accepted_per_pos)
+        if self.cpu_threads is not None:
+            ct = self.cpu_threads
+            c.cpu_threads, c.cpu_threads_max = ct.threads, ct.levels[0]
+            c.cpu_fallbacks_total, c.cpu_recoveries_total = dict(ct.fallbacks), ct.recoveries
         return EngineStats(**{f: getattr(c, f) for f in EngineStats.__slots__})

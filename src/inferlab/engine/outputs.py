@@ -89,3 +89,7 @@ class EngineStats:
     spec_accepted_per_pos_total: list[int] = field(default_factory=list)
     num_steps_total: int = 0
     step_time_seconds_total: float = 0.0
+    cpu_threads: int = 0  # the engine's intra-op threads now (engine/cpu_threads.py); 0 off the CPU
+    cpu_threads_max: int = 0  # the count it returns to when the machine is quiet
+    cpu_fallbacks_total: dict[str, int] = field(default_factory=dict)  # reason -> steps down to fewer threads
+    cpu_recoveries_total: int = 0  # returns to more threads

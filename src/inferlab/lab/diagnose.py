@@ -40,6 +40,7 @@ class RunView:
     slos: dict[str, float] = field(default_factory=dict)  # per-request limits the run used, seconds
     warnings: list[str] = field(default_factory=list)
     server: dict[str, float] = field(default_factory=dict)  # normalised scraped metrics, see _server_metrics
+    machine: dict = field(default_factory=dict)  # bench's CPU accounting of the load point (bench/machine.py)
 
     def stat(self, metric: str, key: str = "p50") -> float | None:
         return (self.latency.get(metric) or {}).get(key)
@@ -153,7 +154,7 @@ def runs_from_results(results: dict) -> list[RunView]:
             input_mean=(tokens.get("input") or {}).get("mean"), output_mean=(tokens.get("output") or {}).get("mean"),
             cached_share=tokens.get("cached_share"), goodput_share=good.get("share"),
             slos=dict(good.get("slos") or {}), warnings=list(r.get("warnings") or []),
-            server=_server_metrics(server),
+            server=_server_metrics(server), machine=dict(r.get("machine") or {}),
         ))
     if all(v.load is not None for v in views):
         views.sort(key=lambda v: v.load)
@@ -348,12 +349,36 @@ def diagnose(results: dict, objectives: dict[str, dict[str, float]] | None = Non
                 vary="max_num_batched_tokens=128,256,512",
             ))
 
-    # Load-independent checks.
+    # Load-independent checks. A busy machine comes first: it invalidates every other reading.
+    busy = [r for r in runs if r.machine.get("contaminated")]
+    if busy:
+        worst = max(busy, key=lambda r: r.machine.get("foreign_cpu_share") or 0)
+        m = worst.machine
+        ev = [f"load point {r.label}: other processes used {r.machine['foreign_cpu_share']:.0%} of the machine's CPU"
+              + (f", the server {r.machine['server_cpu_share']:.0%}" if r.machine.get("server_cpu_share") is not None
+                 else "") for r in busy]
+        if m.get("cpu_pressure_some_avg") is not None:
+            ev.append(f"CPU pressure (some) {m['cpu_pressure_some_avg']:.0f}% at load point {worst.label}")
+        hyps.insert(0, Hypothesis(
+            "the machine was busy: the results are contaminated",
+            f"{len(busy)} of {len(runs)} load point(s) ran beside other CPU work",
+            ["other processes (a compile, another benchmark, a noisy VM neighbour) took CPU from the server",
+             "OpenMP threads that spin at barriers stall when a neighbour takes a core, far beyond the CPU lost"],
+            ev,
+            "rerun on a quiet machine and compare; `machine.foreign_cpu_share` in results.json must stay below 10%",
+            "rerun the contaminated load points (inferlab experiment repeats them), or run bench and the server on "
+            "a dedicated machine", supported=True,
+        ))
     cd = (last.latency.get("client_delay") or {}).get("p99")
-    if cd is not None and cd > 0.010:
+    bound = [r for r in runs if r.machine.get("client_bound")]
+    if (cd is not None and cd > 0.010) or bound:
         hyps.append(Hypothesis(
-            "the load generator fell behind", f"client delay p99 {format_ms(cd)} (requests sent late)",
-            ["the client process is CPU-bound, so the offered load was lower than asked"], [],
+            "the load generator fell behind",
+            f"client delay p99 {format_ms(cd)} (requests sent late)" if cd is not None and cd > 0.010 else
+            f"bench used {bound[-1].machine['bench_cpu_cores']:.2f} CPU cores at load point {bound[-1].label}",
+            ["the client process is CPU-bound, so the offered load was lower than asked"],
+            [f"load point {r.label}: bench used {r.machine['bench_cpu_cores']:.2f} CPU cores (client-bound)"
+             for r in bound],
             "rerun with bench --workers 2 (or more) and compare client delay and latencies",
             "spread the load over worker processes; until then, latencies include client-side queueing",
             supported=True,

@@ -26,6 +26,7 @@ from inferlab.bench.launcher import LaunchError, RunningServer, config_flags
 from inferlab.lab.card import Card, Check, engine_options, evaluate, start_server, to_bench_config
 
 STATE_VERSION = 1
+BUSY_RETRIES = 2  # default times a repeat measured on a busy machine (bench's `machine.contaminated`) is remeasured
 LATENCY_KEYS = ("mean", "p50", "p90", "p99")
 
 
@@ -109,6 +110,7 @@ class PointResult:
     quality_note: str = ""
     startup_s: float | None = None
     server_log: str | None = None
+    busy_repeats: int = 0  # repeats kept although still contaminated after the re-measurements
 
     def metric(self, key: str) -> dict | None:
         """Mean, min and max over repeats of a compact metric ('ttft.p99', 'requests_per_s', ...)."""
@@ -154,6 +156,7 @@ def compact(run: dict) -> dict:
                         if k in ("preemptions", "queue_time_mean_s", "kv_cache_usage", "prefix_cache_hit_rate",
                                  "requests_running", "requests_waiting")},
         warnings=run.get("warnings") or [],
+        machine={k: (run.get("machine") or {}).get(k) for k in ("foreign_cpu_share", "contaminated", "client_bound")},
     )
     return out
 
@@ -320,6 +323,7 @@ class Experiment:
     combine: bool = False
     requests: int | None = None  # overrides the card's traffic.requests (a quicker, noisier experiment)
     quality: QualityFn | None = None
+    busy_retries: int = BUSY_RETRIES
     log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
     state: dict = field(default_factory=dict)
 
@@ -405,6 +409,16 @@ class Experiment:
         try:
             for k in range(self.repeats):
                 run = self._bench(srv, pdir / f"bench-{k + 1}", k)
+                for retry in range(1, self.busy_retries + 1):
+                    if not (run.get("machine") or {}).get("contaminated"):
+                        break
+                    self.log(f"{tag} {p.id}: repeat {k + 1}/{self.repeats} ran on a busy machine (other processes "
+                             f"used {run['machine']['foreign_cpu_share']:.0%} of the CPU): measuring it again "
+                             f"({retry}/{self.busy_retries})")
+                    run = self._bench(srv, pdir / f"bench-{k + 1}", k)
+                if (run.get("machine") or {}).get("contaminated"):
+                    res.busy_repeats += 1
+                    self.log(f"{tag} {p.id}: repeat {k + 1}/{self.repeats} kept, flagged: still a busy machine")
                 res.repeats.append(compact(run))
                 res.results_paths.append(str(pdir / f"bench-{k + 1}" / "results.json"))
                 r = res.repeats[-1]

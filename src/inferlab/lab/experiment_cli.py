@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a server option and the values to try, one at a time from the baseline (repeatable)")
     p.add_argument("--repeats", type=int, default=3, help="bench runs per config, for the spread (default 3)")
     p.add_argument("--requests", type=int, default=None, help="measured requests per run (default: the card's)")
+    p.add_argument("--busy-retries", type=int, default=2,
+                   help="times a run measured on a busy machine (another process used >= 10%% of the CPU) is "
+                        "measured again before it is kept and flagged (default 2; 0 = flag only)")
     p.add_argument("--combine", action="store_true", help="finally try the best value of each variable together")
     p.add_argument("--no-quality", action="store_true", help="skip `inferlab eval` (the verdict then cannot "
                                                              "accept a config when the card has a quality floor)")
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             return eval_quality(point, baseline, pdir, model, extra)
 
     exp = Experiment(card, variations, out, repeats=args.repeats, combine=args.combine, requests=args.requests,
-                     quality=quality)
+                     quality=quality, busy_retries=args.busy_retries)
     try:
         results = exp.run(restart=args.restart)
     except ExperimentError as e:

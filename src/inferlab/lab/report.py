@@ -133,6 +133,10 @@ def render(card: Card, results: list[PointResult], variations: list[Variation], 
         missing.append("server memory (the server does not report inferlab:weight_bytes / peak RSS)")
     if not any(any(rep.get("server_metrics") for rep in r.repeats) for r in results):
         missing.append("server-side metrics (queue time, KV usage, preemptions) were not scraped")
+    busy = [f"{r.id} ({r.busy_repeats})" for r in results if r.busy_repeats]
+    if busy:
+        missing.append(f"a quiet machine: repeats of {', '.join(busy)} ran beside other CPU work even after "
+                       f"re-measurement; their figures are contaminated (bench's `machine` section)")
     failed = [r.id for r in results if r.status != "measured"]
     if failed:
         missing.append(f"configs that failed to run: {', '.join(failed)} (see their server.log)")

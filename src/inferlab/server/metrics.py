@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from inferlab.engine.cpu_threads import FALLBACK_REASONS
 from inferlab.engine.outputs import EngineStats, RequestMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -152,6 +153,18 @@ class _EngineCollector(Collector):
         yield gauge("inferlab:peak_rss_bytes", "Peak resident set size of the server process.", _peak_rss_bytes())
         yield counter("inferlab:engine_steps", "Engine steps run.", s.num_steps_total)
         yield counter("inferlab:engine_step_seconds", "Seconds spent inside engine.step().", s.step_time_seconds_total)
+        if s.cpu_threads:
+            yield gauge("inferlab:cpu_threads", "Intra-op CPU threads the engine runs with now (fewer while the "
+                        "machine is busy).", s.cpu_threads)
+            yield gauge("inferlab:cpu_threads_max", "CPU threads the engine returns to on a quiet machine (the "
+                        "affinity mask and cgroup quota allow).", s.cpu_threads_max)
+            fb = CounterMetricFamily("inferlab:cpu_fallbacks", "Steps down to fewer CPU threads, by reason (stall, "
+                                     "slow, pressure).", labels=names + ["reason"])
+            for reason in FALLBACK_REASONS:
+                fb.add_metric(values + [reason], s.cpu_fallbacks_total.get(reason, 0))
+            yield fb
+            yield counter("inferlab:cpu_recoveries", "Returns to more CPU threads once measured faster.",
+                          s.cpu_recoveries_total)
         for name, value in self.extra_gauges.items():
             yield gauge(name, _EXTRA_DOCS.get(name, name), value)
 

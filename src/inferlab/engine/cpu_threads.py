@@ -1,0 +1,223 @@
+"""The engine's CPU thread count, adapted to the CPU the process actually gets.
+
+At start: the thread count fits the affinity mask and the cgroup quota (common/cpu_budget.py). While running:
+OpenMP threads spin at every barrier, so when a neighbour takes a core (another login session under Linux's
+autogroup, a noisy VM neighbour, a CFS quota) each parallel region waits for a descheduled teammate, and a step
+that took 13 ms takes a scheduler period or more (measured: batch-1 decode at 1% of its quiet speed). One
+thread fewer per region degrades in proportion to the CPU lost instead.
+
+The signal is the step time itself, relative to what a step of the same size (tokens, bucketed by powers of two)
+took at the full thread count: it needs no kernel interface and measures exactly what users feel. CPU pressure
+(/proc/pressure/cpu) only triggers a trial of fewer threads, kept if measured faster, because a reference taken
+while the machine was already busy looks normal. The way back is measured too: after a hold time the engine
+probes one level up; a probe that stalls ends at once and doubles the hold (2 s to 64 s), so probing a busy
+machine costs a step or so per minute.
+
+The lever is `torch.set_num_threads` on the engine thread: libgomp sizes each parallel region from it. Passive
+waiting (OMP_WAIT_POLICY, GOMP_SPINCOUNT) cannot be the lever: libgomp reads them once, at start-up.
+`--num-threads`, OMP_NUM_THREADS or OMP_WAIT_POLICY set by the user are choices the engine keeps: no adaptation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inferlab.common.cpu_budget import CpuBudget, cpu_budget
+
+log = logging.getLogger("inferlab.engine")
+
+CHECK_EVERY = 8  # steps per window: a decision reads the median of this many step-time ratios
+DEGRADED = 1.8  # median step time over the quiet reference that means the team stalls (1 thread of 2 is ~1.6x)
+STALL = 4.0  # two steps in a row this slow: step down at once (a stalled step may take a second)
+RECOVER = 1.3  # a winning probe this close to the quiet reference is logged as "quiet", else as "faster"
+BETTER = 0.85  # a setting must be this much faster than the other to count as faster
+HOLD_MIN, HOLD_MAX = 2.0, 64.0  # seconds before probing more threads; doubled after each failed probe
+PRESSURE_BUSY = 10.0  # /proc/pressure/cpu "some avg10" (%) that starts a trial of fewer threads
+TRIAL_EVERY = 30.0  # seconds between such trials
+REF_DRIFT = 1.002  # the quiet reference may rise 0.2% per full-thread step (longer contexts cost more)
+PRESSURE_FILE = Path("/proc/pressure/cpu")
+FALLBACK_REASONS = ("stall", "slow", "pressure")  # the label values of inferlab:cpu_fallbacks_total
+
+
+def cpu_pressure(path: Path = PRESSURE_FILE) -> float | None:
+    """The share of the last 10 s in which some runnable task waited for a CPU (%), or None without PSI."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("some "):
+                return float(dict(kv.split("=") for kv in line.split()[1:])["avg10"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+@dataclass(slots=True)
+class ThreadDecision:
+    time: float  # the adapter's clock
+    threads: int
+    reason: str  # budget | stall | slow | pressure | quiet | faster | probe_failed | trial_failed
+    detail: str
+
+
+@dataclass(slots=True)
+class ThreadAdapter:
+    """Feed it every step's (tokens, seconds); it changes the thread count through `set_threads`."""
+
+    levels: list[int]  # thread counts, most first: the budget, halved down to 1
+    set_threads: Callable[[int], None]
+    clock: Callable[[], float] = time.monotonic
+    pressure: Callable[[], float | None] = cpu_pressure
+    adaptive: bool = True
+    level: int = 0
+    mode: str = "steady"  # steady | probe (one level up, on trial) | trial (one level down, pressure-triggered)
+    decisions: list[ThreadDecision] = field(default_factory=list)
+    fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count of steps down
+    recoveries: int = 0
+    _ref: dict[int, float] = field(default_factory=dict)  # size bucket -> quiet step time at levels[0]
+    _window: list[float] = field(default_factory=list)  # step time / quiet reference, since the last change
+    _compare: float = 0.0  # median ratio of the setting a probe or trial is measured against
+    _hold: float = HOLD_MIN
+    _probe_at: float = 0.0
+    _next_trial: float = 0.0
+    _next_pressure_read: float = 0.0
+
+    @property
+    def threads(self) -> int:
+        return self.levels[self.level]
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if not self.adaptive or len(self.levels) < 2:
+            return
+        bucket = num_tokens.bit_length()
+        ref = self._ref.get(bucket)
+        if self.level == 0:
+            self._ref[bucket] = seconds if ref is None else min(ref * REF_DRIFT, seconds)
+        if ref is None:
+            return
+        w = self._window
+        w.append(seconds / ref)
+        if self.mode == "probe":
+            self._on_probe()
+        elif self.mode == "trial":
+            if len(w) >= CHECK_EVERY:
+                m = statistics.median(w)
+                self._next_trial = self.clock() + TRIAL_EVERY
+                if m < BETTER * self._compare:
+                    self._change(self.level, "steady", "pressure", f"{self.threads} threads ran steps at x{m:.2f} "
+                                 f"of quiet against x{self._compare:.2f} with more")
+                else:
+                    self._change(self.level - 1, "steady", "trial_failed",
+                                 f"fewer threads were not faster (x{m:.2f} against x{self._compare:.2f})")
+        elif len(w) >= 2 and w[-1] > STALL and w[-2] > STALL and self.level + 1 < len(self.levels):
+            self._down("stall", f"two steps in a row took x{w[-2]:.1f} and x{w[-1]:.1f} the quiet time of their size")
+        elif len(w) >= CHECK_EVERY:
+            self._check(statistics.median(w))
+
+    def _check(self, m: float) -> None:
+        now = self.clock()
+        if self.level == 0:
+            if m > DEGRADED:
+                self._down("slow", f"steps took x{m:.2f} the quiet time of their size (median of {CHECK_EVERY})")
+            elif now >= self._next_pressure_read:
+                self._next_pressure_read = now + 1.0
+                p = self.pressure() if now >= self._next_trial else None
+                if p is not None and p > PRESSURE_BUSY:
+                    self._compare = m
+                    self._change(1, "trial", "pressure",
+                                 f"CPU pressure {p:.0f}% (some avg10): trying {self.levels[1]} threads")
+            self._window.clear()
+        elif m > STALL and self.level + 1 < len(self.levels):
+            self._down("stall", f"still x{m:.1f} the quiet time at {self.threads} threads")
+        elif now >= self._probe_at:
+            self._compare = m
+            self._change(self.level - 1, "probe", "probe", f"trying {self.levels[self.level - 1]} threads "
+                                                           f"(now x{m:.2f} the quiet time)")
+        else:
+            self._window.clear()
+
+    def _on_probe(self) -> None:
+        w, fallback = self._window, self.level + 1
+        if w[-1] > STALL * max(1.0, self._compare):  # one stalled step ends a probe: it may have cost a second
+            self._failed_probe(f"a step took x{w[-1]:.1f} the quiet time")
+        elif len(w) >= CHECK_EVERY:
+            m = statistics.median(w)
+            # Faster than the fallback, measured, not merely close to the reference: a reference taken on a busy
+            # machine would call any probe quiet.
+            if m < BETTER * self._compare:
+                self.recoveries += 1
+                self._hold = HOLD_MIN
+                self._change(self.level, "steady", "quiet" if m <= RECOVER else "faster",
+                             f"x{m:.2f} the quiet time at {self.threads} threads, against x{self._compare:.2f} "
+                             f"at {self.levels[fallback]}")
+            else:
+                self._failed_probe(f"x{m:.2f} the quiet time against x{self._compare:.2f} with fewer threads")
+
+    def _failed_probe(self, why: str) -> None:
+        self._hold = min(HOLD_MAX, self._hold * 2)
+        self._change(self.level + 1, "steady", "probe_failed", f"{why}; next probe in {self._hold:g} s")
+
+    def _down(self, reason: str, detail: str) -> None:
+        self._hold = HOLD_MIN
+        self._change(self.level + 1, "steady", reason, detail)
+
+    def _change(self, level: int, mode: str, reason: str, detail: str) -> None:
+        now = self.clock()
+        if level > self.level and reason in FALLBACK_REASONS:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        self.level, self.mode = level, mode
+        self._window.clear()
+        self._probe_at = now + self._hold
+        self.set_threads(self.threads)
+        self._record(reason, detail, now)
+
+    def _record(self, reason: str, detail: str, now: float | None = None) -> None:
+        d = ThreadDecision(self.clock() if now is None else now, self.threads, reason, detail)
+        self.decisions = self.decisions[-63:] + [d]
+        level = logging.DEBUG if reason in ("probe", "probe_failed", "trial_failed") else logging.INFO
+        log.log(level, "cpu threads -> %d (%s): %s", d.threads, reason, detail)
+
+
+def thread_levels(threads: int) -> list[int]:
+    """8 -> [8, 4, 2, 1]: each fallback halves the team."""
+    levels = [max(1, threads)]
+    while levels[-1] > 1:
+        levels.append(levels[-1] // 2)
+    return levels
+
+
+def explicit_setting(num_threads: int | None, env: dict[str, str] | None = None) -> str | None:
+    """What the user chose, if anything: then the engine keeps it and does not adapt."""
+    env = os.environ if env is None else env
+    if num_threads:
+        return f"--num-threads {num_threads}"
+    for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
+        if env.get(name):
+            return f"{name}={env[name]}"
+    return None
+
+
+def make_adapter(num_threads: int | None, root: Path | str = "/", env: dict[str, str] | None = None,
+                 budget: CpuBudget | None = None) -> ThreadAdapter:
+    """The engine's thread count at start (applied here) and the adapter that keeps it fitting."""
+    import torch
+
+    explicit = explicit_setting(num_threads, env)
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    current = torch.get_num_threads()
+    if explicit:
+        adapter = ThreadAdapter([current], torch.set_num_threads, adaptive=False)
+        adapter._record("explicit", f"{current} thread(s), as set by {explicit}: no adaptation")
+        return adapter
+    budget = budget or cpu_budget(root)
+    start = min(current, budget.threads)
+    if start != current:
+        torch.set_num_threads(start)
+    adapter = ThreadAdapter(thread_levels(start), torch.set_num_threads)
+    adapter._record("budget", f"{budget.describe()}; torch's default was {current}")
+    return adapter

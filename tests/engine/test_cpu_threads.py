@@ -1,0 +1,176 @@
+"""The thread adapter on synthetic step-time traces: it steps down when the team stalls, probes its way back,
+and keeps a user's explicit choice. Time is a fake clock advanced by each synthetic step, so nothing here
+depends on the machine's speed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from inferlab.engine.cpu_threads import ThreadAdapter, explicit_setting, thread_levels
+
+
+class Sim:
+    """A fake machine: step time is a function of (threads, now); the adapter's clock advances by it."""
+
+    def __init__(self, levels: list[int], pressure: float | None = None):
+        self.now = 0.0
+        self.calls: list[int] = []
+        self.pressure = pressure
+        self.adapter = ThreadAdapter(levels, self.calls.append, clock=lambda: self.now,
+                                     pressure=lambda: self.pressure)
+
+    def run(self, seconds: float, step_time: Callable[[int], float], tokens: int = 16) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            dt = step_time(self.adapter.threads)
+            self.now += dt
+            self.adapter.observe(tokens, dt)
+
+    def reasons(self) -> list[str]:
+        return [d.reason for d in self.adapter.decisions]
+
+
+QUIET = {2: 0.010, 1: 0.016}  # 2 threads on a quiet 2-core machine; 1 thread is ~1.6x slower
+AUTOGROUP = {2: 1.0, 1: 0.016}  # a neighbour in another session: every parallel region waits a period
+
+
+def test_levels_halve_to_one():
+    assert thread_levels(8) == [8, 4, 2, 1]
+    assert thread_levels(3) == [3, 1]
+    assert thread_levels(1) == [1]
+
+
+def test_a_stalling_team_falls_back_and_returns_when_quiet():
+    sim = Sim([2, 1])
+    sim.run(1.0, QUIET.get)
+    assert sim.calls == [] and sim.adapter.threads == 2
+    sim.run(10.0, AUTOGROUP.get)  # the neighbour arrives
+    assert sim.adapter.threads == 1
+    assert sim.reasons()[0] == "stall"
+    assert sim.adapter.fallbacks == {"stall": 1}
+    # While the neighbour stays, probes of 2 threads stall at their first step and are abandoned, backing off.
+    probes = sim.reasons().count("probe")
+    assert probes >= 1 and sim.reasons().count("probe_failed") == probes
+    assert all(t == 1 for t in sim.calls[-1:])
+    sim.run(70.0, QUIET.get)  # the neighbour has gone: the next probe succeeds
+    assert sim.adapter.threads == 2
+    assert sim.reasons()[-1] == "quiet"
+    assert sim.adapter.recoveries == 1
+    assert sim.calls[-1] == 2
+
+
+def test_probes_back_off_while_the_machine_stays_busy():
+    sim = Sim([2, 1])
+    sim.run(1.0, QUIET.get)
+    sim.run(200.0, AUTOGROUP.get)
+    failed = [d.time for d in sim.adapter.decisions if d.reason == "probe_failed"]
+    gaps = [b - a for a, b in zip(failed, failed[1:])]
+    assert len(failed) >= 4
+    assert all(later >= earlier for earlier, later in zip(gaps, gaps[1:]))  # the hold doubles, up to its cap
+    # Stalled steps cost little: far fewer 2-thread steps than 1-thread steps ran.
+    assert sim.calls.count(2) == len(failed)
+
+
+def test_a_quota_below_the_team_falls_back_when_fewer_threads_are_faster():
+    # Two threads under a one-CPU quota get throttled (x2.2); one thread runs at x1.6 of quiet.
+    quota = {2: 0.022, 1: 0.016}
+    sim = Sim([2, 1])
+    sim.run(1.0, QUIET.get)
+    sim.run(30.0, quota.get)
+    assert sim.adapter.threads == 1
+    assert sim.adapter.fallbacks == {"slow": 1}
+    assert "probe_failed" in sim.reasons()  # probes keep measuring 2 threads slower, so 1 stays
+    assert sim.adapter.recoveries == 0
+
+
+def test_a_probe_that_is_faster_though_not_quiet_wins():
+    sim = Sim([4, 2, 1])
+    sim.run(1.0, {4: 0.010, 2: 0.014, 1: 0.02}.get)
+    sim.run(5.0, {4: 0.5, 2: 0.5, 1: 0.03}.get)  # even 2 threads stall: down two levels
+    assert sim.adapter.threads == 1
+    sim.run(20.0, {4: 0.5, 2: 0.018, 1: 0.03}.get)  # 2 threads now beat 1, 4 still stall
+    assert sim.adapter.threads == 2
+    assert "faster" in sim.reasons()
+
+
+def test_pressure_starts_a_trial_kept_only_if_faster():
+    # Busy from the start: the reference itself is slow, so step times look normal; only pressure tells.
+    sim = Sim([2, 1], pressure=60.0)
+    sim.run(5.0, {2: 0.040, 1: 0.016}.get)
+    assert sim.adapter.threads == 1
+    assert sim.adapter.fallbacks == {"pressure": 1}
+    # Pressure from processes that do not slow us: the trial is measured slower and undone, and not retried at once.
+    sim = Sim([2, 1], pressure=60.0)
+    sim.run(5.0, QUIET.get)
+    assert sim.adapter.threads == 2
+    assert sim.reasons().count("trial_failed") == 1 and sim.reasons().count("pressure") == 1
+
+
+def test_a_quiet_noisy_trace_never_changes_threads():
+    import random
+
+    rng = random.Random(0)
+    sim = Sim([2, 1], pressure=0.5)
+    sim.run(60.0, lambda t: QUIET[t] * (1 + 0.3 * rng.random()) * (5 if rng.random() < 0.01 else 1))
+    assert sim.calls == []
+
+
+def test_sizes_are_compared_with_their_own_reference():
+    # Prefill steps of 256 tokens take 20x a decode step: that is not a stall.
+    sim = Sim([2, 1])
+    for _ in range(50):
+        for tokens, dt in ((1, 0.010), (256, 0.2)):
+            sim.now += dt
+            sim.adapter.observe(tokens, dt)
+    assert sim.calls == []
+
+
+def test_explicit_choices_win():
+    assert explicit_setting(3, {}) == "--num-threads 3"
+    assert explicit_setting(None, {"OMP_WAIT_POLICY": "PASSIVE"}) == "OMP_WAIT_POLICY=PASSIVE"
+    assert explicit_setting(None, {"OMP_NUM_THREADS": "2"}) == "OMP_NUM_THREADS=2"
+    assert explicit_setting(None, {}) is None
+    off = ThreadAdapter([2], lambda n: None, adaptive=False)
+    for _ in range(100):
+        off.observe(16, 5.0)
+    assert off.decisions == [] and off.threads == 2
+
+
+def test_the_engine_starts_within_the_budget_and_keeps_explicit_settings(tmp_path):
+    import torch
+
+    from inferlab.common.cpu_budget import cpu_budget
+    from inferlab.engine.cpu_threads import make_adapter
+
+    before = torch.get_num_threads()
+    try:
+        # A one-CPU cgroup v1 quota through a fake /proc + /sys tree: the team shrinks to one thread at start.
+        (tmp_path / "proc/self").mkdir(parents=True)
+        (tmp_path / "proc/self/status").write_text("Cpus_allowed_list:\t0-7\n")
+        (tmp_path / "proc/self/cgroup").write_text("1:cpu:/job\n")
+        q = tmp_path / "sys/fs/cgroup/cpu/job"
+        q.mkdir(parents=True)
+        (q / "cpu.cfs_quota_us").write_text("100000\n")
+        (q / "cpu.cfs_period_us").write_text("100000\n")
+        assert cpu_budget(tmp_path).threads == 1
+        a = make_adapter(None, root=tmp_path, env={})
+        assert torch.get_num_threads() == 1 and a.levels == [1] and a.decisions[0].reason == "budget"
+        torch.set_num_threads(2)
+        a = make_adapter(None, root="/nonexistent", env={"OMP_WAIT_POLICY": "PASSIVE"})
+        assert not a.adaptive and a.threads == 2 and "OMP_WAIT_POLICY=PASSIVE" in a.decisions[0].detail
+        a = make_adapter(1, env={})
+        assert torch.get_num_threads() == 1 and not a.adaptive and a.levels == [1]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_engine_reports_its_threads(llm_fp32):
+    import torch
+
+    from inferlab import SamplingParams
+
+    engine = llm_fp32.engine
+    llm_fp32.generate(["hello"], SamplingParams(max_tokens=3))
+    s = engine.stats()
+    assert s.cpu_threads == engine.cpu_threads.threads == torch.get_num_threads()
+    assert s.cpu_threads_max == engine.cpu_threads.levels[0]
