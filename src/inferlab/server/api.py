@@ -144,6 +144,9 @@ class OpenAIServer:
         """What can be refused before tokenizing: a prompt too long in characters, token ids and top_k beyond the
         vocabulary (the sampler's tensors are sized by it)."""
         field = body.prompt_field
+        if (max_tokens := body.max_output_tokens) is not None and max_tokens >= self.max_model_len:
+            raise invalid(f"max_tokens is {max_tokens}, but this model's maximum context length is "
+                          f"{self.max_model_len} tokens, prompt included", "max_tokens")
         if isinstance(prompt, str):
             chars = len(prompt)
         elif prompt and isinstance(prompt[0], dict):

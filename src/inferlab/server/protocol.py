@@ -245,7 +245,8 @@ def _invalid_unicode_path(data: Any) -> str | None:
                     return path or "body"
         elif isinstance(x, dict):
             for k, v in x.items():
-                sub = f"{path}.{k}" if path else str(k)
+                name = k.encode("utf-8", "backslashreplace").decode() if isinstance(k, str) else str(k)
+                sub = f"{path}.{name}" if path else name
                 if isinstance(k, str) and _invalid_unicode_path(k) is not None:
                     return sub
                 stack.append((sub, v))
