@@ -4,6 +4,8 @@ computed independently here in float64."""
 from __future__ import annotations
 
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from inferlab.engine.sampler import Sampler, sample_from
 from inferlab.engine.sampling_params import SamplingParams
@@ -65,3 +67,51 @@ def test_greedy_and_sampled_rows_mix():
     tokens = Sampler()(logits, params, [None] * N).view(-1, 2)
     assert (tokens[:, 0] == 1).all()
     _assert_follows(_frequencies(tokens[:, 1], 3), torch.full((3,), 1 / 3, dtype=torch.double), N // 2)
+
+
+def test_temperatures_below_the_epsilon_are_greedy():
+    from inferlab.engine.sampling_params import SAMPLING_EPS
+
+    logits = torch.tensor([[0.1, 0.3, 0.2], [5.0, -1.0, 4.999]])
+    for t in (0.0, 1e-300, 5e-324, SAMPLING_EPS / 2):
+        params = [SamplingParams(temperature=t)] * 2
+        assert params[0].greedy
+        assert Sampler()(logits.clone(), params, [None, None]).tolist() == [1, 0]
+    assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+
+
+_INF = float("inf")
+_LOGIT = st.one_of(st.floats(-1e4, 1e4), st.sampled_from([-_INF, _INF, 3.4e38, -3.4e38, 1e30, -1e30, 0.0]))
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(rows=st.lists(st.tuples(st.lists(_LOGIT, min_size=8, max_size=8),
+                               st.one_of(st.just(0.0), st.floats(1e-300, 2.0)),
+                               st.one_of(st.just(1.0), st.floats(1e-6, 1.0, exclude_min=False)),
+                               st.one_of(st.just(0), st.integers(1, 8), st.integers(9, 2**63 - 1))),
+                     min_size=1, max_size=4),
+       nan_rows=st.lists(st.booleans(), min_size=4, max_size=4))
+def test_no_parameters_and_no_logits_give_nan_probabilities(rows, nan_rows):
+    """Over temperature, top_p and top_k extremes and logits holding +-inf, NaN and values that overflow when
+    tempered: every row's probabilities are finite, non-negative, and either sum to 1 or (no finite logit) are all
+    zero, in which case the sampler answers -1 for that row; a drawn token always has positive probability."""
+    from inferlab.engine.sampler import sampling_probs
+
+    logits = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    for i, nan in enumerate(nan_rows[:len(rows)]):
+        if nan:
+            logits[i, i % 8] = float("nan")
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k) for _, t, p, k in rows]
+    probs = sampling_probs(logits.clone(), params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all(), (logits, probs)
+    sums = probs.double().sum(-1)
+    for i, s in enumerate(sums.tolist()):
+        assert abs(s - 1) < 1e-4 or s == 0, (logits[i], params[i], probs[i])
+    drawn = Sampler()(logits.clone(), params, [None] * len(rows)).tolist()
+    for i, (tok, p) in enumerate(zip(drawn, params)):
+        if p.greedy:
+            assert 0 <= tok < 8
+        elif sums[i] == 0:
+            assert tok == -1
+        else:
+            assert probs[i, tok] > 0, (logits[i], p, probs[i], tok)

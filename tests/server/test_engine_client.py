@@ -22,7 +22,7 @@ def _parameters(fn) -> list[tuple[str, object]]:
 
 def test_engine_client_lists_what_the_server_uses():
     assert sorted(METHODS) == ["abort", "add_request", "has_work", "stats", "step", "tokenize_prompt"]
-    assert set(EngineClient.__annotations__) == {"model_name", "max_model_len", "config"}
+    assert set(EngineClient.__annotations__) == {"model_name", "max_model_len", "vocab_size", "max_token_chars", "config"}
 
 
 @pytest.mark.parametrize("engine_class", ["LLMEngine", "FakeEngine"])

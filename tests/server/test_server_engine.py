@@ -318,3 +318,166 @@ def test_serve_cli_sigterm_lets_the_stream_finish_and_exits_0(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------- fault isolation
+
+
+def test_a_failure_in_one_requests_sampling_or_detokenizing_fails_it_alone(llm, monkeypatch):
+    """Faults injected into one request's sampling (seed 666) and another's detokenization (seed 667, at its third
+    token): each fails alone, with an error event / a 500 naming it, counted by stage, while a concurrent greedy
+    stream gets exactly the tokens it gets alone. (The seeds only mark the requests: greedy ignores them.)"""
+    engine = llm.engine
+    want = offline(llm, PROMPTS[3], greedy(12))[0].text
+    real_sampler, real_update = engine.sampler, engine.detokenizer.update
+
+    def sampler(logits, params, gens):
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("injected sampling fault")
+        return real_sampler(logits, params, gens)
+
+    def update(seq):
+        if seq.params.seed == 667 and seq.num_output_tokens >= 3:
+            raise RuntimeError("injected detokenizer fault")
+        real_update(seq)
+
+    monkeypatch.setattr(engine, "sampler", sampler)
+    monkeypatch.setattr(engine.detokenizer, "update", update)
+
+    async def run(s: LiveServer):
+        async with httpx.AsyncClient(base_url=s.base, timeout=300) as h:
+            async def stream(body) -> list[str]:
+                async with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                    return [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+
+            return await asyncio.gather(
+                stream({"prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0}),
+                stream({"prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0, "seed": 666}),
+                h.post("/v1/completions", json={"prompt": PROMPTS[5], "max_tokens": 12, "temperature": 0,
+                                                "seed": 667}))
+
+    with serve(llm) as s:
+        idle = metric(httpx.get(s.base + "/metrics").text, "vllm:kv_cache_usage_perc")
+        good, bad_stream, bad = asyncio.run(run(s))
+        m = httpx.get(s.base + "/metrics").text
+        assert client(s).completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPTS[3], max_tokens=12,
+                                            temperature=0).choices[0].text == want
+        eventually(lambda: metric(httpx.get(s.base + "/metrics").text, "vllm:kv_cache_usage_perc") == idle,
+                   "KV usage back to idle")
+    assert good[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in good[:-1]) == want
+    assert bad_stream[-1] == "[DONE]"
+    err = json.loads(bad_stream[-2])["error"]
+    assert "injected sampling fault" in err["message"] and "failed in sample" in err["message"], err
+    assert bad.status_code == 500, bad.text
+    err = bad.json()["error"]
+    assert "injected detokenizer fault" in err["message"] and "failed in detokenize" in err["message"]
+    assert err["message"].startswith("request cmpl-") and err["code"] == "engine_error"
+    assert metric(m, "inferlab:request_errors_total", stage="sample") == 1
+    assert metric(m, "inferlab:request_errors_total", stage="detokenize") == 1
+    assert metric(m, "vllm:request_success_total", finished_reason="error") == 2
+
+
+def test_sampling_extremes_on_the_real_engine(llm):
+    """The inputs that used to take the engine down or answer garbage: top_k 2^63 (400, then the engine still
+    serves), temperature 1e-300 (greedy's answer), the largest seeds torch takes, and top_k = the vocabulary."""
+    want = offline(llm, PROMPTS[6], greedy(6))[0].text
+    vocab = llm.engine.vocab_size
+    with serve(llm) as s:
+        def post(**body) -> httpx.Response:
+            return httpx.post(s.base + "/v1/completions", json={"prompt": PROMPTS[6], "max_tokens": 6, **body},
+                              timeout=300)
+
+        r = post(top_k=2**63)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+        r = post(top_k=vocab + 1)
+        assert r.status_code == 400 and str(vocab) in r.json()["error"]["message"], r.text
+        assert post(temperature=0).json()["choices"][0]["text"] == want
+        for t in (1e-300, 5e-324, 1e-6):
+            assert post(temperature=t).json()["choices"][0]["text"] == want, t
+        for seed in (2**64 - 1, -(2**63), 0):
+            r = post(temperature=1.0, seed=seed, top_k=vocab)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        r = post(stop_token_ids=[vocab])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+        assert httpx.get(s.base + "/health").status_code == 200
+        assert post(temperature=0).json()["choices"][0]["text"] == want
+
+
+def _start_serve(tmp_path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "inferlab", "serve", "--port", str(port), "--dtype", "float32",
+         "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--log-level", "warning", *flags],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return httpx.get(base + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    eventually(up, "server start", deadline_s=300)
+    return proc, base
+
+
+def _sse_events(base: str, body: dict, on_first=None) -> list[str]:
+    events: list[str] = []
+    with httpx.Client(timeout=300) as h:
+        with h.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 2 and on_first is not None:
+                        on_first()
+    return events
+
+
+def test_serve_exits_1_when_the_engine_thread_dies(tmp_path):
+    """INFERLAB_FAULT_INJECT=engine_crash_after_steps:N (test-only, read once at startup) makes step N+1 raise:
+    the stream in flight ends with an engine_dead error event and [DONE], and the process exits 1 on its own."""
+    proc, base = _start_serve(tmp_path, env={"INFERLAB_FAULT_INJECT": "engine_crash_after_steps:6"})
+    try:
+        events = _sse_events(base, {"prompt": "Count: 1, 2, 3,", "max_tokens": 100, "ignore_eos": True})
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "engine_dead" and "injected engine crash" in err["message"], err
+        assert proc.wait(timeout=120) == 1
+        out = proc.stdout.read()
+        assert "the engine stopped" in out and "exiting 1" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_second_sigterm_ends_the_drain_with_errors_and_exits_4(tmp_path):
+    """First SIGTERM: drain; second: the stream in flight gets a server_shutdown error event and [DONE] at once,
+    the log holds no traceback, and the exit code (4) says the drain was cut short."""
+    proc, base = _start_serve(tmp_path, "--shutdown-grace", "600")
+
+    def two_signals():
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # not a timing assertion: lets the first signal be handled on its own
+        proc.send_signal(signal.SIGTERM)
+
+    try:
+        events = _sse_events(base, {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True},
+                             on_first=two_signals)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "server_shutdown" and "second SIGTERM" in err["message"], err
+        assert len(events) < 400  # cut short, not run to its end
+        assert proc.wait(timeout=120) == 4
+        out = proc.stdout.read()
+        assert "Traceback" not in out and "exiting 4" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

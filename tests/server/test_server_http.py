@@ -146,7 +146,7 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": "a", "presence_penalty": 0.5}', 400, "presence_penalty", "not supported"),
     ("/v1/completions", '{"prompt": ["a", "b"]}', 400, "prompt", "batch of 2 prompts"),
     ("/v1/completions", '{"prompt": []}', 400, "prompt", "empty"),
-    ("/v1/completions", '{"prompt": [99999]}', 400, "prompt", "out of range"),
+    ("/v1/completions", '{"prompt": [99999]}', 400, "prompt", "out of the vocabulary range [0, 1000)"),
     ("/v1/completions", json.dumps({"prompt": "w " * 300}), 400, "prompt", "exceeds the context"),
     ("/v1/completions", '{"prompt": "a", "model": "gpt-4"}', 404, "model", "`gpt-4` does not exist"),
     ("/v1/completions", '{"prompt": "a", "stream_options": {"include_usage": true}}', 400, "stream_options",

@@ -65,6 +65,7 @@ class LLM:
                         num_cached_tokens=seq.num_cached_tokens,
                         spec_proposed=seq.spec_proposed,
                         spec_accepted=seq.spec_accepted,
+                        error=out.error,
                     )
         return [done[rid] for rid in order]
 

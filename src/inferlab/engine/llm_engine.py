@@ -12,7 +12,7 @@ from inferlab.engine.config import EngineConfig
 from inferlab.engine.cpu_threads import ThreadAdapter, make_adapter
 from inferlab.engine.detokenizer import Detokenizer
 from inferlab.common.errors import InvalidRequestError
-from inferlab.engine.model_runner import ModelRunner
+from inferlab.engine.model_runner import ModelRunner, StepInputs
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from inferlab.common.host_memory import available_memory, keep_step_buffers
 from inferlab.engine.sampler import Sampler
@@ -84,6 +84,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, bs, self.dtype, self.device, config.pack_weights)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.vocab_size: int = cfg.vocab_size
+        # Vocabulary strings spell each byte as one character (byte-level BPE) or keep the text (SentencePiece), so
+        # no token decodes to more characters than its string has: a prompt longer than max_model_len times this
+        # cannot fit, whatever it says (the server refuses it before tokenizing).
+        self.max_token_chars: int = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.eos_token_ids = {t for t in (cfg.eos_token_id, self.tokenizer.eos_token_id) if t is not None}
         self.requests: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
@@ -98,6 +103,8 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Safe to call from any thread (the server tokenizes on a small pool, off the engine's thread): it only
+        reads the tokenizer, whose Rust encode releases the GIL, and the chat template is pure Python."""
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = list(prompt["prompt_token_ids"])
         if isinstance(prompt, str):
@@ -109,7 +116,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from e
             return self.tokenizer.encode(text, add_special_tokens=False), text
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model_config.vocab_size
+            vocab = self.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary range [0, {vocab})", "prompt")
@@ -119,7 +126,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> int:
         params = params or SamplingParams()
-        params.validate()
+        params.validate(self.vocab_size)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         token_ids, text = self.tokenize_prompt(prompt)
@@ -172,19 +179,69 @@ class LLMEngine:
         inputs = self.runner.prepare(batch, [self.block_manager.table(s.request_id) for s in batch.seqs])
         logits = self.runner.execute(inputs)
         seqs = inputs.sample_seqs
-        if logits is None:
-            sampled: list[list[int]] = []
-        elif self.proposer is not None and any(s.spec_token_ids for s in seqs):
-            sampled = self.proposer.verify(logits, inputs.logits_per_seq, seqs, self._generators)
-        else:
-            gens = [self._generators.get(s.request_id) for s in seqs]
-            sampled = [[t] for t in self.sampler(logits, [s.params for s in seqs], gens).tolist()]
+        failed: dict[Sequence, tuple[str, BaseException]] = {}
+        sampled = [] if logits is None else self._sample(logits, inputs, failed)
+        if failed:  # they leave now, so their blocks are neither cached nor trimmed
+            batch = ScheduledBatch([s for s in batch.seqs if s not in failed],
+                                   [n for s, n in zip(batch.seqs, batch.num_new_tokens) if s not in failed])
+            sampled = [t for s, t in zip(seqs, sampled) if s not in failed]
+            seqs = [s for s in seqs if s not in failed]
         self.scheduler.update_from_output(batch, dict(zip(seqs, sampled)))
         now = time.perf_counter()
-        outputs = [self._append_tokens(seq, new_tokens, now) for seq, new_tokens in zip(seqs, sampled)]
+        outputs = [self._fail(seq, stage, error, now) for seq, (stage, error) in failed.items()]
+        for seq, new_tokens in zip(seqs, sampled):
+            try:  # free when nothing raises (3.11+): the isolation costs the hot loop nothing
+                outputs.append(self._append_tokens(seq, new_tokens, now))
+            except Exception as e:  # noqa: BLE001 - detokenizing or a stop check failed for this request alone
+                outputs.append(self._fail(seq, "detokenize", e, now))
         if self.proposer is not None:
             self.scheduler.set_proposals(self.proposer.propose(self.scheduler.running, self._step_context()))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs,
+                failed: dict[Sequence, tuple[str, BaseException]]) -> list[list[int]]:
+        """The tokens each sampling sequence gains. A batched call that raises is retried one request at a time to
+        find the culprit(s), which go to `failed` with an empty list; the others get what they would have got
+        (the sampler draws a seeded request's random number only after the steps that can raise on bad input)."""
+        seqs, per_seq = inputs.sample_seqs, inputs.logits_per_seq
+        try:
+            sampled = self._sample_batch(logits, seqs, per_seq)
+        except Exception:  # noqa: BLE001 - isolate the request(s) that made the batch fail
+            log.warning("batched sampling failed; retrying request by request", exc_info=True)
+            sampled, start = [], 0
+            for seq, k in zip(seqs, per_seq):
+                try:
+                    sampled += self._sample_batch(logits[start:start + k], [seq], [k])
+                except Exception as e:  # noqa: BLE001
+                    failed[seq] = ("sample", e)
+                    sampled.append([])
+                start += k
+        if sampled and min(t[0] if t else 0 for t in sampled) < 0:  # the sampler found no token to draw
+            for seq, t in zip(seqs, sampled):
+                if t and t[0] < 0:
+                    failed[seq] = ("sample", FloatingPointError(
+                        "no token has a finite probability: the model's logits for this request are NaN or -inf"))
+        return sampled
+
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence], per_seq: list[int]) -> list[list[int]]:
+        if self.proposer is not None and any(s.spec_token_ids for s in seqs):
+            return self.proposer.verify(logits, per_seq, seqs, self._generators)
+        gens = [self._generators.get(s.request_id) for s in seqs]
+        return [[t] for t in self.sampler(logits, [s.params for s in seqs], gens).tolist()]
+
+    def _fail(self, seq: Sequence, stage: str, error: BaseException, now: float) -> RequestOutput:
+        """Finish one request with finish_reason "error"; the engine goes on with the others."""
+        log.error("request %s failed in %s: %r", seq.request_id, stage, error, exc_info=error)
+        seq.finish_reason, seq.stop_reason = "error", None
+        seq.metrics.finished_time = now
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self._generators.pop(seq.request_id, None)
+        return RequestOutput(request_id=seq.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="error", num_prompt_tokens=seq.num_prompt_tokens,
+                             num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+                             error=f"{type(error).__name__}: {error}", error_stage=stage, metrics=seq.metrics)
 
     def _step_context(self) -> StepContext:
         sched = self.scheduler

@@ -46,8 +46,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # with finish_reason "error": what failed, for the client
     metrics: RequestMetrics | None = None  # set on the finishing delta
+    error_stage: str | None = None  # with finish_reason "error": "sample" | "detokenize" (server: "tokenize", ...)
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class CompletionOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error"
     spec_proposed: int = 0
     spec_accepted: int = 0
 

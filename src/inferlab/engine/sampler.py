@@ -7,6 +7,12 @@ this replaced needs a random number per vocabulary entry: torch's exponential_ t
 cumsum accumulates in double and rounds each entry to fp32 once, so a token's drawn mass is its probability within
 ~6e-8 (tokens below that are drawn at most that often). Speculative verification still uses the race
 (spec/verify.py), where the residual draws are few.
+
+No parameter makes a probability NaN: temperatures below SAMPLING_EPS are greedy (sampling_params.py), and a row
+whose softmax is NaN anyway (logits that overflow when tempered, +inf, NaN, or no finite logit at all) is detected
+from its first column alone (softmax's NaN is all-or-nothing per row: it divides by the row's sum) and recomputed
+from sanitised logits, so the common path pays for no extra pass over the vocabulary. A row left with no token to
+draw gets all-zero probabilities, and the sampler answers -1 for it: the engine fails that request alone.
 """
 
 from __future__ import annotations
@@ -33,14 +39,28 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each row's sampling distribution after temperature, top-k and top-p (greedy rows: temperature 1)."""
-    dev = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
+    probs = _tempered_softmax(logits, params, sanitise=False)
+    bad = probs[:, 0].isnan()
+    if bool(bad.any()):  # rare: see the module docstring
+        rows = bad.nonzero().squeeze(1)
+        probs[rows] = _tempered_softmax(logits[rows], [params[i] for i in rows.tolist()], sanitise=True)
+    return probs
+
+
+def _tempered_softmax(logits: torch.Tensor, params: list[SamplingParams], sanitise: bool) -> torch.Tensor:
+    dev, V = logits.device, logits.shape[-1]
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
     logits = logits / temps.unsqueeze(1)
+    if sanitise:  # NaN is never drawn; +-inf become the largest finite values so that softmax stays defined
+        big = torch.finfo(logits.dtype).max
+        logits = logits.nan_to_num_(nan=float("-inf"), posinf=big, neginf=float("-inf"))
     if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=dev) if any(p.top_k > 0 for p in params) else None
+        top_k = torch.tensor([min(p.top_k, V) for p in params], device=dev) if any(p.top_k > 0 for p in params) \
+            else None
         top_p = torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in params) else None
         logits = apply_top_k_top_p(logits, top_k, top_p)
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    return probs.nan_to_num_(nan=0.0) if sanitise else probs  # a row with no finite logit: nothing to draw
 
 
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device) -> torch.Tensor:
@@ -53,20 +73,21 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
 
 def sample_from(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One draw per row of probs [N, V] (non-negative; rows need not sum to 1; zero entries are never drawn):
-    the first token whose cumulative mass reaches u * total, u uniform in (0, 1]."""
+    the first token whose cumulative mass reaches u * total, u uniform in (0, 1]; -1 for a row with no mass."""
     cdf = probs.cumsum(dim=-1)
     u = torch.rand(probs.shape[0], device=probs.device)
     for i, g in enumerate(generators):
         if g is not None:
             u[i] = torch.rand(1, generator=g, device=probs.device)
     target = (1 - u).mul_(cdf[:, -1])  # in (0, total]: never lands on a leading run of zero-probability tokens
-    return torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    drawn = torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    return drawn.masked_fill_(~(cdf[:, -1] > 0), -1)
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
-        """logits: [N, V] float32 -> sampled token ids [N]."""
+        """logits: [N, V] float32 -> sampled token ids [N]; -1 for a sampled row with no token to draw."""
         greedy = [p.greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1)

@@ -29,10 +29,11 @@ from inferlab import __version__
 from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.outputs import RequestOutput
 from inferlab.server.async_engine import (TIMED_OUT, AsyncEngine, EngineDeadError, EngineFailed, QueueFullError,
-                                          RequestStream)
+                                          RequestFailed, RequestStream, ShuttingDown)
+from inferlab.server.http_limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 from inferlab.server.engine_client import EngineClient
 from inferlab.server.metrics import CONTENT_TYPE, ServerMetrics
-from inferlab.server.protocol import (SSE_DONE, APIError, ChatCompletionChunk, ChatCompletionRequest,
+from inferlab.server.protocol import (SSE_DONE, APIError, invalid, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatChoice, ChatStreamChoice, AssistantMessage,
                                       CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                       DeltaMessage, ErrorResponse, ModelCard, ModelList, RoleDelta, UsageInfo, sse,
@@ -45,6 +46,8 @@ class ServerConfig:
     request_timeout: float | None = None  # seconds from arrival to the last token; None = no limit
     api_keys: dict[str, str | None] = field(default_factory=dict)  # key -> tenant (None: no tenant); empty = open
     retry_after: int = 1  # seconds, sent with 429
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413 before they are read
+    tokenizer_threads: int = 2  # the pool that tokenizes prompts off the engine thread
 
 
 def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
@@ -56,6 +59,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
                   exception_handlers=_EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.server = server
     app.include_router(router)
+    # Outermost: the API key and the body size are checked before FastAPI reads and parses the body.
+    app.add_middleware(RequestLimits, authenticate=server.authenticate_header, max_body_bytes=server.config.max_request_bytes,
+                       rejected=server.metrics.rejected)
     return app
 
 
@@ -66,10 +72,14 @@ class OpenAIServer:
         self.config = config
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        # No token of the vocabulary decodes to more characters than this, so a prompt longer than max_model_len
+        # times it cannot fit, and is refused before anyone spends time tokenizing it.
+        self.max_prompt_chars = engine.max_model_len * engine.max_token_chars
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.model_name)
         self.metrics.engine.extra_gauges["inferlab:max_queue"] = config.max_queue
-        self.engine = AsyncEngine(engine, config.max_queue, self.metrics)
+        self.engine = AsyncEngine(engine, config.max_queue, self.metrics, config.tokenizer_threads)
         # Keys are compared as SHA-256 digests: equal lengths, so hmac.compare_digest is constant-time, and every key
         # is compared on every request so the match position does not leak either.
         self._key_digests = [(hashlib.sha256(k.encode()).digest(), tenant) for k, tenant in config.api_keys.items()]
@@ -82,14 +92,16 @@ class OpenAIServer:
         finally:
             await self.engine.shutdown()
 
-    def authenticate(self, creds: HTTPAuthorizationCredentials | None) -> str | None:
-        """Returns the caller's tenant (None when keys carry no tenant or auth is off)."""
+    def authenticate_header(self, authorization: bytes | None) -> str | None:
+        """The caller's tenant from its raw Authorization header (None when keys carry no tenant or auth is off);
+        raises a 401 APIError. Called by RequestLimits, before the body is read."""
         if not self._key_digests:
             return None
-        if creds is None:
+        scheme, _, key = (authorization or b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
             raise APIError(401, "missing API key: send the header `Authorization: Bearer YOUR_KEY`",
                            "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-        given = hashlib.sha256(creds.credentials.encode()).digest()
+        given = hashlib.sha256(key.strip().encode("latin-1")).digest()
         found, tenant = False, None
         for digest, t in self._key_digests:
             if hmac.compare_digest(given, digest):
@@ -110,11 +122,15 @@ class OpenAIServer:
         arrival = time.perf_counter()
         self.check_model(body.model)
         prompt = body.check()
+        self._check_fits(prompt, body)
         max_tokens = body.max_output_tokens  # None: until the context is full
-        params = body.sampling_params(max_tokens or 1)  # then sized from the prompt length on the engine thread
+        params = body.sampling_params(max_tokens or 1)  # then sized from the prompt length once tokenized
         try:
             return await self.engine.add_request(rid, prompt, params, _cache_salt(tenant, body.cache_salt),
                                                  max_tokens is None, arrival)
+        except RequestFailed as e:
+            self.metrics.request_failed(e.stage)
+            raise APIError(500, str(e), "server_error", None, "engine_error") from None
         except QueueFullError as e:
             raise APIError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded",
                            {"Retry-After": str(self.config.retry_after)}) from None
@@ -123,6 +139,34 @@ class OpenAIServer:
             raise APIError(400, str(e), "invalid_request_error", param, "invalid_value") from None
         except EngineDeadError as e:
             raise APIError(503, str(e), "server_error", None, "engine_dead") from None
+
+    def _check_fits(self, prompt: str | list, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What can be refused before tokenizing: a prompt too long in characters, token ids and top_k beyond the
+        vocabulary (the sampler's tensors are sized by it)."""
+        field = body.prompt_field
+        if (max_tokens := body.max_output_tokens) is not None and max_tokens >= self.max_model_len:
+            raise invalid(f"max_tokens is {max_tokens}, but this model's maximum context length is "
+                          f"{self.max_model_len} tokens, prompt included", "max_tokens")
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            chars = sum(len(m["content"]) for m in prompt)
+        else:
+            chars = 0
+            if len(prompt) > self.max_model_len:
+                raise invalid(f"the prompt is {len(prompt)} tokens; this model's maximum context length is "
+                              f"{self.max_model_len} tokens", field)
+            if (bad := next((t for t in prompt if t >= self.vocab_size), None)) is not None:
+                raise invalid(f"token id {bad} is out of the vocabulary range [0, {self.vocab_size})", field)
+        if chars > self.max_prompt_chars:
+            raise invalid(f"the prompt is {chars} characters, more than can fit in this model's maximum context "
+                          f"length of {self.max_model_len} tokens (at most {self.max_prompt_chars} characters)", field)
+        if body.top_k is not None and body.top_k > self.vocab_size:
+            raise invalid(f"top_k must be at most the vocabulary size {self.vocab_size} (or -1/0 for no cut), got "
+                          f"{body.top_k}", "top_k")
+        if body.stop_token_ids and (bad := max(body.stop_token_ids)) >= self.vocab_size:
+            raise invalid(f"stop_token_ids: token id {bad} is out of the vocabulary range [0, {self.vocab_size})",
+                          "stop_token_ids")
 
     async def collect(self, request: Request, stream: RequestStream) -> tuple[str, RequestOutput] | None:
         """Non-streaming: the whole text and the finishing delta, or None when the client left first (the request
@@ -182,9 +226,11 @@ class OpenAIServer:
                                 f"s and was aborted", "timeout_error", None, "request_timeout")
         if isinstance(item, EngineFailed):
             raise _engine_dead(item.error)
+        if isinstance(item, ShuttingDown):
+            raise APIError(503, f"the server is shutting down: {item.reason}", "server_error", None, "server_shutdown")
         if item.finish_reason == "error":
-            raise APIError(500, f"the engine failed on this request: {item.error}", "server_error", None,
-                           "engine_error")
+            raise APIError(500, f"request {stream.request_id} failed in {item.error_stage or 'the engine'}: "
+                                f"{item.error}", "server_error", None, "engine_error")
         return item
 
     def _start_timer(self, stream: RequestStream) -> asyncio.TimerHandle | None:
@@ -233,7 +279,8 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorResponse, "description": "Unknown model"},
     429: {"model": ErrorResponse, "description": "Waiting queue full; retry after Retry-After seconds"},
     500: {"model": ErrorResponse, "description": "The engine failed on this request"},
-    503: {"model": ErrorResponse, "description": "The engine has stopped"},
+    413: {"model": ErrorResponse, "description": "Request body larger than --max-request-bytes"},
+    503: {"model": ErrorResponse, "description": "The engine has stopped, or the server is shutting down"},
     504: {"model": ErrorResponse, "description": "--request-timeout expired"},
 }
 # With "stream": true the 200 is server-sent events; the schema describes one event.
@@ -247,8 +294,10 @@ def _server(request: Request) -> OpenAIServer:
     return request.app.state.server
 
 
-def _tenant(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str | None:
-    return _server(request).authenticate(creds)
+def _tenant(request: Request, _: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str | None:
+    """RequestLimits checked the key before the body was read and left the tenant in the request's state; the
+    HTTPBearer dependency only documents the scheme in the OpenAPI schema."""
+    return request.scope.get("state", {}).get("tenant")
 
 
 @router.get("/health", summary="Liveness: 200 (empty body) while the engine thread runs", response_class=Response,
@@ -320,17 +369,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
 # ---------------------------------------------------------------- errors
 
 
-async def _error_response(_: Request, e: Exception) -> JSONResponse:
+async def _error_response(request: Request, e: Exception) -> JSONResponse:
     """Every failure as OpenAI's error object: ours (APIError), pydantic's, Starlette's (404, 405) and the rest."""
     if isinstance(e, RequestValidationError):
         message, param = _validation_message(e)
         e = APIError(400, message, "invalid_request_error", param, "invalid_value" if param else None)
     elif isinstance(e, StarletteHTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        e = APIError(e.status_code, str(e.detail), kind, None, code, dict(e.headers or {}))
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+        detail = str(e.detail)
+        if e.status_code == 400 and e.__cause__ is not None:  # FastAPI could not parse the body: say why
+            cause = e.__cause__
+            detail = ("the JSON body is nested too deeply" if isinstance(cause, RecursionError)
+                      else f"cannot parse the request body: {type(cause).__name__}: {cause}")
+        e = APIError(e.status_code, detail, kind, None, code, dict(e.headers or {}))
     elif not isinstance(e, APIError):
         e = APIError(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
+    if 400 <= e.status < 500 and e.status not in (401, 413, 429):  # those three count where they are raised
+        request.app.state.server.metrics.rejected("invalid")
     return JSONResponse(e.body().model_dump(), status_code=e.status, headers=e.headers)
 
 

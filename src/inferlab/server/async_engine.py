@@ -11,6 +11,13 @@ The engine is not thread-safe, so everything that touches it (add, abort, step, 
 loop only appends commands to two deques and sets an event; the engine thread drains them between steps, so an abort
 takes effect before the next forward pass. Each step's deltas cross back in one call_soon_threadsafe callback, and a
 token reaches its HTTP handler as soon as the step that produced it returns.
+
+Prompts are tokenized (and chat templates applied) here, on a small thread pool of the event-loop side, and the engine
+thread receives token ids: a huge prompt costs its own request time, never a pause in everyone else's tokens (the
+tokenizer's Rust encode releases the GIL). A failure confined to one request (its tokenization, its admission, or,
+inside the engine, its sampling or detokenization) finishes that request with an error and is counted in
+inferlab:request_errors_total{stage}; anything else that escapes step() stops the engine thread, fails every request
+in flight, and `inferlab serve` then exits non-zero so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -46,8 +54,23 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an unexpected exception; the server can no longer generate."""
 
 
+class RequestFailed(RuntimeError):
+    """One request failed on the server before reaching the engine's batch (stage "tokenize" or "add")."""
+
+    def __init__(self, request_id: str, stage: str, error: BaseException):
+        super().__init__(f"request {request_id} failed in {stage}: {type(error).__name__}: {error}")
+        self.stage = stage
+
+
 class TimedOut:
     """Queued into a stream when its --request-timeout expires."""
+
+
+class ShuttingDown:
+    """Queued into every stream when a second signal cuts the graceful drain short."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 class EngineFailed:
@@ -56,7 +79,7 @@ class EngineFailed:
 
 
 TIMED_OUT = TimedOut()
-StreamItem = RequestOutput | TimedOut | EngineFailed
+StreamItem = RequestOutput | TimedOut | EngineFailed | ShuttingDown
 
 
 @dataclass(slots=True)
@@ -76,18 +99,17 @@ class RequestStream:
 @dataclass(slots=True)
 class _Add:
     request_id: str
-    prompt: Prompt
+    prompt: list[int]  # tokenized on the event-loop side
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None
-    fill_context: bool  # max_tokens unset: generate until the context is full
     future: asyncio.Future[int]
 
 
 class AsyncEngine:
     """start() and shutdown() run on the event loop (the app's lifespan); run_engine() on the engine's thread."""
 
-    def __init__(self, engine: EngineClient, max_queue: int, metrics: ServerMetrics):
+    def __init__(self, engine: EngineClient, max_queue: int, metrics: ServerMetrics, tokenizer_threads: int = 2):
         self._loop_ready = threading.Event()
         self._engine_done = threading.Event()
         self.engine = engine
@@ -104,6 +126,7 @@ class AsyncEngine:
         # Adds submitted that the last published stats do not yet reflect (they may be waiting).
         self._unseen_adds = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tokenizer_pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="inferlab-tokenize")
 
     # ------------------------------------------------------------ event-loop side
 
@@ -115,7 +138,23 @@ class AsyncEngine:
         """Stops the engine loop and waits until run_engine() has returned."""
         self._stopping = True
         self._wake.set()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self._engine_done.wait)
+
+    def cut_short(self, reason: str) -> None:
+        """The drain is over (a second signal): every request in flight ends now with an error (its stream gets an
+        error event and [DONE]), and the engine loop stops after its current step. Callable from any thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._end_streams, reason)
+
+    def _end_streams(self, reason: str) -> None:
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.queue.put_nowait(ShuttingDown(reason))
+        self.metrics.request_failed("shutdown", len(streams))
 
     def run_engine(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Step the engine on the calling thread until shutdown(). Waits for start() first; `should_stop()` is
@@ -142,19 +181,25 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
                           fill_context: bool, arrival_time: float) -> RequestStream:
         """fill_context: max_tokens was unset, so generate until the context is full (see _fill_context).
-        Raises QueueFullError at once when the queue is full, InvalidRequestError when the engine refuses it."""
-        if self.error is not None:
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
-        waiting = self.num_waiting()
-        if waiting >= self.max_queue:
-            self.metrics.rejected("queue_full")
-            raise QueueFullError(waiting, self.max_queue)
+        Raises QueueFullError at once when the queue is full, InvalidRequestError when the prompt or the engine
+        refuses it, RequestFailed when tokenizing or admitting it raised anything else."""
+        self._admit()
         assert self._loop is not None, "AsyncEngine.start() was not called"
+        try:  # off the engine thread: see the module docstring
+            ids, _ = await self._loop.run_in_executor(self._tokenizer_pool, self.engine.tokenize_prompt, prompt)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the server's
+            log.exception("tokenizing request %s failed", request_id)
+            raise RequestFailed(request_id, "tokenize", e) from e
+        if fill_context:
+            self._fill_context(ids, params)
+        self._admit()  # again: the queue may have filled while we tokenized
         stream = RequestStream(request_id, params.max_tokens, arrival_time=arrival_time)
         future: asyncio.Future[int] = self._loop.create_future()
         self._streams[request_id] = stream
         self._unseen_adds += 1
-        self._adds.append(_Add(request_id, prompt, params, arrival_time, cache_salt, fill_context, future))
+        self._adds.append(_Add(request_id, ids, params, arrival_time, cache_salt, future))
         self._wake.set()
         try:
             stream.num_prompt_tokens = await future
@@ -165,6 +210,26 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise
         return stream
+
+    def _admit(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        if self._stopping:
+            raise EngineDeadError("the server is shutting down")
+        waiting = self.num_waiting()
+        if waiting >= self.max_queue:
+            self.metrics.rejected("queue_full")
+            raise QueueFullError(waiting, self.max_queue)
+
+    def _fill_context(self, ids: list[int], params: SamplingParams) -> None:
+        """A request without max_tokens generates until the context is full (OpenAI's default for chat): size
+        max_tokens from the prompt."""
+        room = self.engine.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.engine.max_model_len} tokens and the prompt alone "
+                f"is {len(ids)} tokens, leaving no room to generate; shorten the prompt", "prompt")
+        params.max_tokens = room
 
     def abort(self, request_id: str) -> None:
         """Stop a request that has not finished; its further deltas are dropped. Idempotent."""
@@ -195,6 +260,8 @@ class AsyncEngine:
                 continue  # aborted: its handler is gone
             if out.finished:
                 del streams[out.request_id]
+                if out.finish_reason == "error":
+                    self.metrics.request_failed(out.error_stage)
                 self.metrics.request_finished(out.finish_reason or "error", out.metrics, out.num_prompt_tokens,
                                               out.num_output_tokens, stream.max_tokens)
             stream.queue.put_nowait(out)
@@ -206,6 +273,7 @@ class AsyncEngine:
                 future.set_exception(EngineDeadError(f"the engine stopped: {error!r}"))
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineFailed(error))
+        self.metrics.request_failed("engine", len(self._streams))
         self._streams.clear()
 
     # ------------------------------------------------------------ engine thread
@@ -238,14 +306,13 @@ class AsyncEngine:
             a = adds.popleft()
             num_added += 1
             try:
-                prompt = self._fill_context(a.prompt, a.params) if a.fill_context else a.prompt
-                results.append((a.future, engine.add_request(a.request_id, prompt, a.params,
+                results.append((a.future, engine.add_request(a.request_id, a.prompt, a.params,
                                                              arrival_time=a.arrival_time, cache_salt=a.cache_salt)))
             except InvalidRequestError as e:
                 results.append((a.future, e))
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the engine for the others
                 log.exception("add_request(%s) failed", a.request_id)
-                results.append((a.future, e))
+                results.append((a.future, RequestFailed(a.request_id, "add", e)))
         if results:
             self._loop.call_soon_threadsafe(self._resolve_adds, results)  # type: ignore[union-attr]
         num_aborted = 0
@@ -253,15 +320,3 @@ class AsyncEngine:
             engine.abort(aborts.popleft())
             num_aborted += 1
         return num_added, num_aborted
-
-    def _fill_context(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        """A request without max_tokens generates until the context is full (OpenAI's default for chat): tokenize
-        once here, size max_tokens from the prompt, and hand the engine the ids."""
-        ids, _ = self.engine.tokenize_prompt(prompt)
-        room = self.engine.max_model_len - len(ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.engine.max_model_len} tokens and the prompt alone "
-                f"is {len(ids)} tokens, leaving no room to generate; shorten the prompt", "prompt")
-        params.max_tokens = room
-        return ids

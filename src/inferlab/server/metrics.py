@@ -30,6 +30,11 @@ _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1] + _REQUEST_BUCKETS
 
 LABELS = ["model_name", "engine"]
+# inferlab:requests_rejected_total{reason}: refused before reaching the engine (docs/metrics.md).
+REJECT_REASONS = ("queue_full", "invalid", "unauthorized", "body_too_large")
+# inferlab:request_errors_total{stage}: tokenize (prompt/chat template, server pool), add (engine admission),
+# sample, detokenize (incl. stop checks), engine (in flight when the engine stopped), shutdown (a second signal).
+ERROR_STAGES = ("tokenize", "add", "sample", "detokenize", "engine", "shutdown")
 
 
 class ServerMetrics:
@@ -65,7 +70,10 @@ class ServerMetrics:
         }
         self._rejected = Counter("inferlab:requests_rejected", "Requests refused before reaching the engine.",
                                  LABELS + ["reason"], registry=r)
-        self._rejected_by_reason = {reason: self._rejected.labels(*lv, reason) for reason in ("queue_full",)}
+        self._rejected_by_reason = {reason: self._rejected.labels(*lv, reason) for reason in REJECT_REASONS}
+        self._errors = Counter("inferlab:request_errors", "Accepted requests that failed on the server (a 5xx or an "
+                               "error event), by the stage that failed.", LABELS + ["stage"], registry=r)
+        self._errors_by_stage = {stage: self._errors.labels(*lv, stage) for stage in ERROR_STAGES}
         self.timeouts = Counter("inferlab:request_timeouts", "Requests aborted by --request-timeout.", LABELS,
                                 registry=r).labels(*lv)
         self.engine = _EngineCollector(self.labels)
@@ -98,6 +106,9 @@ class ServerMetrics:
 
     def rejected(self, reason: str) -> None:
         self._rejected_by_reason[reason].inc()
+
+    def request_failed(self, stage: str | None, n: int = 1) -> None:
+        self._errors_by_stage.get(stage or "engine", self._errors_by_stage["engine"]).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,11 +12,11 @@ import json
 import time
 from typing import Annotated, Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.outputs import RequestOutput
-from inferlab.engine.sampling_params import SamplingParams
+from inferlab.engine.sampling_params import INT64_MAX, INT64_MIN, SEED_MAX, SEED_MIN, SamplingParams
 
 # ---------------------------------------------------------------- errors
 
@@ -51,8 +51,19 @@ def invalid(message: str, param: str | None = None) -> APIError:
 
 # ---------------------------------------------------------------- requests
 
+# Bounds on what one request may carry. Stop strings are searched for after every token and stop ids looked up in a
+# list, so their number and length bound a request's per-token cost (and with it every other request's step time).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 2048
+
 _Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 _TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+_Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+_TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # and below the vocabulary size: checked in the server
+_Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
+_Stop = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 
 class StreamOptions(BaseModel):
@@ -67,16 +78,17 @@ class _SamplingFields(BaseModel):
     model: str | None = Field(None, description="The served model id; omitted means the one model this server serves.")
     temperature: _Temperature | None = None
     top_p: _TopP | None = None
-    top_k: int | None = Field(None, ge=-1, description="vLLM extension: -1 or 0 disables the top-k cut.")
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="vLLM extension.")
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX, description="vLLM extension: -1 or 0 disables the "
+                              "top-k cut; at most the vocabulary size.")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: _Stop | list[_Stop] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[_TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension.")
     ignore_eos: bool | None = Field(False, description="vLLM extension: generate max_tokens tokens even past "
                                                       "end-of-sequence.")
     include_stop_str_in_output: bool | None = Field(False, description="vLLM extension.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, description="Only 1 is supported.")
+    n: _Int64 | None = Field(1, description="Only 1 is supported.")
     cache_salt: str | None = Field(None, description="vLLM extension: requests share cached prefixes only with the same salt.")
     # Known OpenAI parameters we refuse unless left at their defaults (see _check_unsupported).
     presence_penalty: float | None = None
@@ -84,6 +96,16 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """json.loads turns an escaped lone surrogate ("\\ud800") into a str that no UTF-8 codec (the tokenizer,
+        the response encoder) accepts: refuse it here, naming where it is."""
+        if (where := _invalid_unicode_path(data)) is not None:
+            raise invalid(f"{where}: invalid Unicode: the string holds a lone surrogate (a \\uD800-\\uDFFF escape "
+                          f"without its pair); send valid UTF-8 text", where.split(".")[0].split("[")[0])
+        return data
 
     def _check_unsupported(self, extra: dict[str, Any]) -> None:
         if self.n not in (None, 1):
@@ -145,9 +167,9 @@ _UNSUPPORTED_IF_SET: dict[str, tuple] = {
 
 class CompletionRequest(_SamplingFields):
     prompt_field: ClassVar[str] = "prompt"  # the `param` of an error about the prompt
-    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]] = Field(
+    prompt: str | list[_TokenId] | list[str] | list[list[_TokenId]] = Field(
         ..., description="A string or a list of token ids. A batch of several prompts is not supported.")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: _Count | None = 16
 
     def check(self) -> str | list[int]:
         """Unsupported options -> 400; returns the single prompt."""
@@ -195,9 +217,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     prompt_field: ClassVar[str] = "messages"
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: _Count | None = Field(None, description="Deprecated by OpenAI in favour of max_completion_tokens.")
+    max_completion_tokens: _Count | None = None
 
     def check(self) -> list[dict]:
         self._check_unsupported(self.model_extra or {})
@@ -207,6 +229,30 @@ class ChatCompletionRequest(_SamplingFields):
     def max_output_tokens(self) -> int | None:
         # None: until the context is full (OpenAI's and vLLM's default for chat).
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _invalid_unicode_path(data: Any) -> str | None:
+    """The path ("messages[0].content") of the first string (key or value) holding a lone surrogate, else None.
+    Iterative: the body may be nested as deep as json.loads allows."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            if not x.isascii():
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                name = k.encode("utf-8", "backslashreplace").decode() if isinstance(k, str) else str(k)
+                sub = f"{path}.{name}" if path else name
+                if isinstance(k, str) and _invalid_unicode_path(k) is not None:
+                    return sub
+                stack.append((sub, v))
+        elif isinstance(x, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(x) if isinstance(v, (str, dict, list)))
+    return None
 
 
 # ---------------------------------------------------------------- responses
