@@ -66,8 +66,9 @@ def test_search_finds_the_fake_servers_capacity(fake, bench):
     a, b = s["interval"]
     assert a <= s["capacity"] <= b
     assert len(s["curve"]) >= 4 and any(not c["passed"] for c in s["curve"])
-    goodput = [c["goodput_requests_per_s"] for c in s["curve"] if c["passed"]]
-    assert goodput == sorted(goodput)  # below capacity every request is good: goodput follows the rate
+    for c in s["curve"]:
+        if c["passed"]:  # below capacity every request is good: goodput is the rate, less the last one's E2E
+            assert c["goodput_requests_per_s"] >= 0.8 * c["rate"]
     # cost at the capacity: rate x mean tokens per request, priced as in test_cost_split_spends_the_hour
     c = s["cost"]
     assert c["per_thousand_requests"] == pytest.approx(1e-3 / s["capacity"] * 1e3)
