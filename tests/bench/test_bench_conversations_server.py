@@ -28,7 +28,7 @@ def test_conversation_hit_rate_matches_the_server_and_ttft_falls_with_the_turn(b
     try:
         hits0, queries0 = counters(srv.base_url)
         rc, res, _ = bench("--base-url", srv.base_url, "--dataset-format", "conversations", "--concurrency", "2",
-                           "--num-requests", "8", "--turns", "4", "--first-turn-len", "384", "--input-len", "16",
+                           "--num-requests", "8", "--turns", "4", "--first-turn-len", "768", "--input-len", "16",
                            "--output-len", "4", "--scrape-interval", "0.5")
         hits1, queries1 = counters(srv.base_url)
     finally:
@@ -40,7 +40,7 @@ def test_conversation_hit_rate_matches_the_server_and_ttft_falls_with_the_turn(b
     # nothing else spoke to the server: the scraped deltas are the counters' own
     assert sm["prefix_cache_hits"] == hits1 - hits0 and sm["prefix_cache_queries"] == queries1 - queries0
     assert sm["prefix_cache_hit_rate"] == pytest.approx((hits1 - hits0) / (queries1 - queries0))
-    assert sm["prefix_cache_hit_rate"] > 0.5  # 3 of every 4 turns resend a history of 400+ tokens
+    assert sm["prefix_cache_hit_rate"] > 0.5  # 3 of every 4 turns resend a history of 780+ tokens
     turns = {t["turn"]: t for t in run["by_turn"]}
     assert sorted(turns) == [1, 2, 3, 4]
     assert all(turns[t]["input_tokens_mean"] > turns[t - 1]["input_tokens_mean"] for t in (2, 3, 4))

@@ -115,13 +115,16 @@ class Scraper:
             return {"source": self.url, "error": self.error or "fewer than two scrapes"}
         first, last = self.samples[0], self.samples[-1]
         out: dict = {"source": self.url, "scrapes": len(self.samples)}
+        # A labelled series appears at its first observation: one absent before the run started from zero
+        # (a histogram whose label set was first observed during the run was read as unknown before).
         for name, keys in COUNTERS.items():
             a, b = _pick(first, keys), _pick(last, keys)
-            out[name] = None if a is None or b is None else b - a
+            out[name] = None if b is None else b - (a or 0.0)
         for name, keys in HISTOGRAMS.items():
             a, b = _hist(first, keys), _hist(last, keys)
-            if a is None or b is None:
+            if b is None:
                 continue
+            a = a or (0.0, 0.0)
             total, count = b[0] - a[0], b[1] - a[1]
             out[f"{name}_sum"], out[f"{name}_count"] = total, count
             if count > 0:
@@ -131,6 +134,10 @@ class Scraper:
         for name, keys in GAUGES.items():
             vals = [v for v in (_pick(s, keys) for s in self.samples) if v is not None]
             out[name] = {"mean": sum(vals) / len(vals), "max": max(vals)} if vals else None
+        out["counters_delta"] = {k[8:]: last[k] - first.get(k, 0.0) for k in last
+                                 if k.startswith("__raw__:") and k.endswith("_total") and last[k] != first.get(k, 0.0)}
+        if len(self.times) != len(self.samples):  # samples given without their times: no series
+            return out
         origin = self.times[0] if t0 is None else t0
         series: dict[str, list] = {"t": [round(t - origin, 4) for t in self.times]}
         for name, keys in GAUGES.items():
@@ -143,6 +150,4 @@ class Scraper:
                 (h1 - h0) / (q1 - q0) if q1 > q0 else None
                 for h0, h1, q0, q1 in zip(hits, hits[1:], queries, queries[1:])]
         out["series"] = series
-        out["counters_delta"] = {k[8:]: last[k] - first.get(k, 0.0) for k in last
-                                 if k.startswith("__raw__:") and k.endswith("_total") and last[k] != first.get(k, 0.0)}
         return out
