@@ -212,3 +212,24 @@ def test_repeats_measured_on_a_busy_machine_are_measured_again_then_flagged(tmp_
     assert any("kept, flagged: still a busy machine" in m for m in logs)
     text = render(card, [res], [], repeats=2, requests=None, command="cmd")
     assert "- Missing: a quiet machine: repeats of baseline (1) ran beside other CPU work" in text
+
+
+def test_reproduce_section_starts_a_command_server_by_hand():
+    # A `server.kind: command` card has no bench flag that starts its server: the report must show the server's
+    # command line and a bench run pointed at it, never an empty by-hand command.
+    import shlex
+
+    from inferlab.bench import cli as bench_cli
+
+    card = card_from_dict(FAKE_CARD)
+    text = render(card, [], [], repeats=1, requests=None, command="cmd")
+    block = text.split("## Reproduce", 1)[1].split("```")[1].strip().splitlines()
+    serve, bench = block[-2], block[-1]
+    assert serve.endswith(" &") and "fake-server --port 8000 --ttft 5ms --itl 1ms" in serve
+    assert bench.startswith("inferlab bench ") and "--base-url http://127.0.0.1:8000" in bench
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+    args = p.parse_args(shlex.split(bench)[2:])  # the by-hand command is one bench reads back
+    assert args.base_url == "http://127.0.0.1:8000" and args.concurrency == 2

@@ -21,7 +21,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inferlab.bench import arrivals, summary as summary_mod
+from inferlab.bench import arrivals, slo_search, summary as summary_mod
+from inferlab.bench.conversation import ThinkTime, file_sessions, synthetic_sessions
+from inferlab.bench.cost import capacity_cost, run_cost
 from inferlab.bench.client import BenchError, Target, make_session, preflight
 from inferlab.bench.launcher import LaunchError, RunningServer, free_port, inferlab_argv, launch
 from inferlab.bench.machine import MachineSampler, local_server_pid, machine_warnings
@@ -48,6 +50,10 @@ class WorkloadConfig:
     dataset_format: str = "jsonl"  # jsonl | sharegpt | trace
     trace_time_unit: str = "s"
     tokenizer: str | None = None  # None = bundled model's; "none" = no tokenizer
+    conversations: bool = False  # sessions of turns (--dataset-format conversations)
+    turns: LengthDist = field(default_factory=lambda: LengthDist("fixed", 4))  # synthetic sessions
+    first_turn_len: LengthDist | None = None  # synthetic sessions' first user turn (default: input_len)
+    think_time: ThinkTime = field(default_factory=ThinkTime)
 
 
 @dataclass(slots=True)
@@ -72,6 +78,9 @@ class BenchConfig:
     output_dir: Path = Path("bench-results")
     quiet: bool = False
     argv: list[str] = field(default_factory=list)
+    slo_search: slo_search.SearchConfig | None = None  # --sweep slo
+    price_per_hour: float | None = None
+    output_cost_ratio: float = 4.0
 
 
 @dataclass(slots=True)
@@ -124,6 +133,21 @@ class Benchmark:
     def workload(self, load: Load, part: int) -> Workload:
         w, tok = self.cfg.workload, self.tokenizer
         default_out = int(w.output_len.a) if w.output_len.kind == "fixed" else None
+        if w.conversations:
+            if w.dataset is not None:
+                sessions = file_sessions(w.dataset, tok, default_out if w.output_len_given else None)
+                spec = {"kind": "conversations", "path": w.dataset, "sessions": len(sessions)}
+            else:
+                users = int(load.value) if load.kind == "concurrency" else 1
+                mean_turns = max(w.turns.a if w.turns.kind != "uniform" else (w.turns.a + w.turns.b) / 2, 1)
+                n = int(math.ceil(self.pool_size(load) / mean_turns)) + users
+                sessions = synthetic_sessions(n, w.turns, w.first_turn_len or w.input_len, w.input_len,
+                                              w.output_len, tok, self.cfg.seed, part)
+                spec = {"kind": "conversations", "sessions": n, "turns": w.turns.describe(),
+                        "first_turn_len": (w.first_turn_len or w.input_len).describe(),
+                        "input_len": w.input_len.describe(), "output_len": w.output_len.describe()}
+            spec["think_time"] = w.think_time.describe()
+            return Workload([], spec, sessions=sessions)
         if w.dataset is None:
             return synthetic(self.pool_size(load), w.input_len, w.output_len, tok, self.cfg.seed,
                              w.prefix_groups, w.prefix_len, part=part)
@@ -142,7 +166,12 @@ class Benchmark:
         base = dict(target=cfg.target, load=load, pool=wl.requests, warmup=cfg.warmup, duration=cfg.duration,
                     run=run, tag=self.tag, tokenizer=cfg.workload.tokenizer)
         plans = []
-        if load.kind == "concurrency":
+        if wl.sessions is not None:
+            if load.kind != "concurrency":
+                raise BenchError("conversations run closed loop: give --concurrency N (users), not --rate")
+            plans.append(WorkerPlan(**base, indices=None, schedule=None, users=int(load.value), num_requests=total,
+                                    sessions=wl.sessions, think_time=cfg.workload.think_time, seed=cfg.seed))
+        elif load.kind == "concurrency":
             users = int(load.value)
             if users < n_workers:
                 n_workers = users
@@ -188,7 +217,7 @@ class Benchmark:
                 interrupted = await run_processes(plans, stop, progress.set)
                 records = self._merge_parts(plans)
         machine_use = sampler.stop(workers=len(plans))
-        server_metrics = await scraper.stop() if scraper else None
+        server_metrics = await scraper.stop(plans[0].t0) if scraper else None
         warnings = list(wl.warnings) + machine_warnings(machine_use)
         used = max((r.index for r in records), default=-1) + 1
         if wl.cache_free and used > len(wl.requests):
@@ -204,6 +233,8 @@ class Benchmark:
         s["workers"] = len(plans)
         s["server_metrics"] = server_metrics
         s["machine"] = machine_use
+        if cfg.price_per_hour is not None:
+            s["cost"] = run_cost(s, cfg.price_per_hour, cfg.output_cost_ratio)
         if server_metrics and wl.cache_free and (server_metrics.get("prefix_cache_hit_rate") or 0) > 0.1:
             s["warnings"].append(
                 f"the server reports a {server_metrics['prefix_cache_hit_rate']:.0%} prefix-cache hit rate during "
@@ -260,11 +291,15 @@ class Benchmark:
             "workload": {"input_len": cfg.workload.input_len.describe(),
                          "output_len": cfg.workload.output_len.describe(),
                          "prefix_groups": cfg.workload.prefix_groups, "prefix_len": cfg.workload.prefix_len,
-                         "dataset": cfg.workload.dataset, "dataset_format": cfg.workload.dataset_format},
+                         "dataset": cfg.workload.dataset, "dataset_format": cfg.workload.dataset_format,
+                         **({"turns": cfg.workload.turns.describe(),
+                             "think_time": cfg.workload.think_time.describe()} if cfg.workload.conversations else {})},
             "load": {"points": [ld.to_dict() for ld in cfg.loads], "auto_sweep": cfg.auto_sweep,
                      "num_requests": cfg.num_requests, "duration": cfg.duration, "warmup": cfg.warmup},
             "slos": cfg.slos or None,
             "slo_percentile": cfg.slo_percentile,
+            "price_per_hour": cfg.price_per_hour,
+            "output_cost_ratio": cfg.output_cost_ratio if cfg.price_per_hour is not None else None,
         }
 
     def write(self) -> Path:
@@ -274,6 +309,33 @@ class Benchmark:
                        encoding="utf-8")
         os.replace(tmp, path)
         return path
+
+    async def search(self, stop: asyncio.Event, session) -> None:
+        """--sweep slo: measure the rates slo_search proposes until it is done (or interrupted)."""
+        cfg = self.cfg
+        template = cfg.loads[0]
+        points: list[slo_search.Point] = []
+        while not stop.is_set() and (rate := slo_search.next_rate(points, cfg.slo_search)) is not None:
+            load = Load("rate", rate, template.arrival, template.burstiness, template.max_concurrency)
+            i = len(self.results["runs"])
+            s = await self.run_point(load, i, stop, session)
+            self.results["runs"].append(s)
+            if not s["interrupted"]:
+                points.append(slo_search.point_from_run(s, i))
+            self.results["slo_search"] = self.search_summary(points)
+            self.results["slo_passed"] = _slo_passed(self.results)
+            self.write()
+
+    def search_summary(self, points: list) -> dict:
+        cfg = self.cfg
+        out = slo_search.estimate(points, cfg.slo_percentile)
+        out.update(slos=cfg.slos, tolerance=cfg.slo_search.tolerance, repeats=cfg.slo_search.repeats)
+        lo = out["bracket"][0]
+        if cfg.price_per_hour is not None and out["capacity"] is not None and lo is not None:
+            best = [self.results["runs"][p.run] for p in points if p.rate == lo and p.passed]
+            out["cost"] = capacity_cost(out["capacity"], best[-1], cfg.price_per_hour,
+                                        cfg.output_cost_ratio) if best else None
+        return out
 
     def start_server(self) -> RunningServer:
         """With no --base-url: inferlab's own server, on a free loopback port, in a child process."""
@@ -308,9 +370,11 @@ class Benchmark:
             async with make_session() as session:
                 models = await preflight(session, cfg.target)
                 self.results = {"schema": SCHEMA, "provenance": self.provenance(models), "runs": [], "sweep": None,
-                                "slo_passed": None, "records": self.records_path.name}
+                                "slo_passed": None, "records": self.records_path.name, "slo_search": None}
                 self.write()
-                loads = list(cfg.loads)
+                if cfg.slo_search is not None:
+                    await self.search(stop, session)
+                loads = [] if cfg.slo_search is not None else list(cfg.loads)
                 i = 0
                 while i < len(loads) and not stop.is_set():
                     s = await self.run_point(loads[i], i, stop, session)
@@ -364,7 +428,7 @@ def _slo_passed(results: dict) -> bool | None:
     gates = [r["slo_gate"] for r in results["runs"] if r["slo_gate"]]
     if not gates:
         return None
-    if results["sweep"]:  # a sweep passes when at least one load meets the objectives
+    if results["sweep"] or results.get("slo_search"):  # a sweep passes when at least one load meets them
         return any(g["passed"] for g in gates)
     return all(g["passed"] for g in gates)
 

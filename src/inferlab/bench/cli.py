@@ -112,8 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--warmup", type=int, default=0, help="first N requests are sent but left out of the statistics")
     ld.add_argument("--seed", type=int, default=0, help="same seed, same prompts and arrival times")
     ld.add_argument("--sweep", default=None, help="several load points: 'concurrency:1,4,16', 'rate:1,2,4', a bare "
-                                                  "list (rates with --rate, else concurrencies), or 'auto' (double "
-                                                  "the concurrency until throughput stops rising)")
+                                                  "list (rates with --rate, else concurrencies), 'auto' (double "
+                                                  "the concurrency until throughput stops rising), or 'slo' (search "
+                                                  "the highest rate meeting --slo at --slo-percentile, from --rate)")
     ld.add_argument("--sweep-max", type=_positive_int, default=1024, help="highest concurrency for --sweep auto")
     ld.add_argument("--workers", type=_positive_int, default=1,
                     help="spread the load over N local processes (independent random streams, records merged)")
@@ -125,10 +126,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prefix-groups", type=int, default=0, help="G groups of prompts sharing a prefix")
     w.add_argument("--prefix-len", type=int, default=0, help="P tokens of shared prefix per group")
     w.add_argument("--dataset", default=None, help="a workload file instead of synthetic prompts")
-    w.add_argument("--dataset-format", choices=["jsonl", "sharegpt", "trace"], default=None,
+    w.add_argument("--dataset-format", choices=["jsonl", "sharegpt", "trace", "conversations"], default=None,
                    help="jsonl: {prompt|messages, output_len}; sharegpt: conversations (every turn); trace: "
-                        "{timestamp, input_len, output_len[, hash_ids]} replayed on its own schedule "
+                        "{timestamp, input_len, output_len[, hash_ids]} replayed on its own schedule; "
+                        "conversations: sessions whose turns resend the growing history with the model's answers "
+                        "(a ShareGPT .json, a JSONL of {turns: [...]}, or synthetic without --dataset) "
                         "(default: sharegpt for .json, else jsonl)")
+    w.add_argument("--turns", type=_length, default=None, help="conversations: turns per synthetic session, N or "
+                                                               "uniform:LO,HI (default 4)")
+    w.add_argument("--first-turn-len", type=_length, default=None,
+                   help="conversations: tokens of a synthetic session's first user turn, e.g. a document "
+                        "(default: --input-len, which sizes the later turns)")
+    w.add_argument("--think-time", default="0", help="conversations: pause before each next turn: D, "
+                                                     "exponential:MEAN, uniform:LO,HI or lognormal:MEDIAN,SIGMA "
+                                                     "(e.g. exponential:2s; default 0)")
     w.add_argument("--trace-time-unit", choices=["s", "ms"], default="s")
     w.add_argument("--trace-speed", type=_rate, default=1.0, help="replay a trace this many times faster")
     w.add_argument("--tokenizer", default=None, help="HF folder, tokenizer.json or GGUF file for prompt lengths and "
@@ -139,6 +150,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ttft, tpot or e2e, e.g. --slo ttft=500ms --slo tpot=50ms: goodput counts requests meeting "
                         "all; the exit status is 1 when one is missed at --slo-percentile")
     s.add_argument("--slo-percentile", default="p99", help="p50, p90, p95, p99 or max (default p99)")
+    s.add_argument("--slo-tolerance", type=_rate, default=0.03,
+                   help="--sweep slo: bisect until the bracket is narrower than this share of its rate (default 0.03)")
+    s.add_argument("--slo-repeats", type=_positive_int, default=3,
+                   help="--sweep slo: runs at each end of the final bracket (default 3)")
+    s.add_argument("--price-per-hour", type=_rate, default=None,
+                   help="what the server costs per hour (any currency): adds cost per million input and output "
+                        "tokens at each load point and at the --sweep slo capacity")
+    s.add_argument("--output-cost-ratio", type=_rate, default=4.0,
+                   help="with --price-per-hour: an output token costs this many input tokens (default 4)")
 
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", default=None, help="where results go (default bench-results/<date-time>)")
@@ -173,6 +193,8 @@ def _loads(args) -> list:
             return [Load("trace", args.trace_speed, max_concurrency=args.max_concurrency)]
         return [Load("concurrency", args.concurrency or 8)]
     spec = args.sweep.strip().lower()
+    if spec == "slo":
+        return [rate(args.rate or 1.0)]
     if spec == "auto":
         if args.rate is not None:
             raise ValueError("--sweep auto raises the concurrency; drop --rate")
@@ -195,6 +217,8 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
     from inferlab.bench.benchmark import BenchConfig, WorkloadConfig
     from inferlab.bench.client import Target
     from inferlab.bench.slo import parse_percentile, parse_slos
+    from inferlab.bench.conversation import ThinkTime
+    from inferlab.bench.slo_search import SearchConfig
     from inferlab.bench.workload import LengthDist
 
     if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
@@ -203,8 +227,21 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
         raise ValueError("--prefix-groups, --prefix-len and --warmup cannot be negative")
     if args.prefix_groups and args.dataset:
         raise ValueError("--prefix-groups builds synthetic prompts; it cannot be combined with --dataset")
-    if args.dataset_format and not args.dataset:
+    if args.dataset_format and args.dataset_format != "conversations" and not args.dataset:
         raise ValueError("--dataset-format needs --dataset PATH")
+    conversations = args.dataset_format == "conversations"
+    if not conversations and (args.turns or args.first_turn_len or args.think_time != "0"):
+        raise ValueError("--turns, --first-turn-len and --think-time shape conversations: add "
+                         "--dataset-format conversations")
+    if conversations and (args.rate is not None or args.workers > 1 or args.prefix_groups):
+        raise ValueError("--dataset-format conversations runs N users (--concurrency) in one process: drop --rate, "
+                         "--workers and --prefix-groups")
+    sweep = (args.sweep or "").strip().lower()
+    if sweep == "slo" and not args.slo:
+        raise ValueError("--sweep slo searches the highest rate meeting the objectives: give them with --slo, "
+                         "e.g. --slo ttft=500ms")
+    if sweep == "slo" and args.concurrency is not None:
+        raise ValueError("--sweep slo searches a request rate: drop --concurrency (start it with --rate)")
     if args.dataset and not Path(args.dataset).is_file():
         raise ValueError(f"--dataset {args.dataset}: file not found")
     if args.duration is not None and args.rate is not None and math.isinf(args.rate):
@@ -219,7 +256,9 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
     wl = WorkloadConfig(input_len=args.input_len or LengthDist("fixed", 128),
                         output_len=args.output_len or LengthDist("fixed", 64), output_len_given=args.output_len is not None,
                         prefix_groups=args.prefix_groups, prefix_len=args.prefix_len, dataset=args.dataset,
-                        dataset_format=fmt, trace_time_unit=args.trace_time_unit, tokenizer=args.tokenizer)
+                        dataset_format=fmt, trace_time_unit=args.trace_time_unit, tokenizer=args.tokenizer,
+                        conversations=conversations, turns=args.turns or LengthDist("fixed", 4),
+                        first_turn_len=args.first_turn_len, think_time=ThinkTime.parse(args.think_time))
     out = Path(args.output_dir or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     args.dataset_format = fmt
     return BenchConfig(
@@ -228,8 +267,12 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
         auto_sweep=(args.sweep or "").strip().lower() == "auto", sweep_max=args.sweep_max,
         num_requests=args.num_requests, duration=args.duration, warmup=args.warmup, seed=args.seed,
         workers=args.workers, slos=parse_slos(args.slo), slo_percentile=parse_percentile(args.slo_percentile),
-        scrape_metrics=args.scrape_metrics, scrape_interval=args.scrape_interval, output_dir=out, quiet=args.quiet,
-        argv=list(argv if argv is not None else sys.argv[2:]),
+        # a conversation's headline is the server's prefix-cache hit rate, which only /metrics gives
+        scrape_metrics=args.scrape_metrics or conversations, scrape_interval=args.scrape_interval, output_dir=out,
+        quiet=args.quiet, argv=list(argv if argv is not None else sys.argv[2:]),
+        slo_search=SearchConfig(start=args.rate or 1.0, tolerance=args.slo_tolerance, repeats=args.slo_repeats)
+        if sweep == "slo" else None,
+        price_per_hour=args.price_per_hour, output_cost_ratio=args.output_cost_ratio,
     )
 
 
@@ -243,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = build_config(args)
-    except (ValueError, SLOError) as e:
+    except (ValueError, SLOError, WorkloadError) as e:
         return _fail(str(e))
     from inferlab.bench.runner import new_loop_runner
 

@@ -131,14 +131,23 @@ class Client:
         self._headers = target.headers()
         self._path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
 
-    async def send(self, rec: RequestRecord, spec: RequestSpec) -> None:
+    async def send(self, rec: RequestRecord, spec: RequestSpec) -> str:
         """Send one request and fill `rec` in place with what arrived; never raises for server faults, which
-        become rec.error_kind. Cancellation propagates (the runner marks the record)."""
+        become rec.error_kind. Cancellation propagates (the runner marks the record). Returns the answer's
+        text (reasoning left out; "" when the request failed): a conversation's next turn resends it."""
+        state = _StreamState(rec, self.t0, self.target.endpoint == "chat")
+        await self._send(rec, spec, state)
+        if not rec.ok:
+            return ""
+        if not self.target.stream:
+            return state.whole_text
+        return "".join(x for x, k in zip(state.texts, state.kinds) if not k)
+
+    async def _send(self, rec: RequestRecord, spec: RequestSpec, state: "_StreamState") -> None:
         headers = dict(self._headers)
         headers["X-Request-Id"] = rec.request_id
         request = self.pool.request_bytes("POST", self._path, headers, build_body(self.target, spec))
         rec.input_len, rec.output_len = spec.input_len, spec.output_len
-        state = _StreamState(rec, self.t0, self.target.endpoint == "chat")
         perf, t0 = time.perf_counter, self.t0
         conn = ex = None
         try:
@@ -174,7 +183,7 @@ class Client:
             rec.error_kind, rec.error = f"http_{rec.http_status}", _short(ex.body.decode("utf-8", "replace"))
             return
         if not self.target.stream:
-            self._whole(rec, bytes(ex.body))
+            state.whole_text = self._whole(rec, bytes(ex.body))
             return
         if not ex.sse:
             rec.error_kind = "malformed_sse"
@@ -195,9 +204,7 @@ class Client:
         tokenizer over the whole text, else one per non-empty chunk. The total is the server's final usage when
         it gave one."""
         texts, usage, kinds = st.texts, st.usage, st.kinds
-        if any(kinds):
-            rec.reasoning = True
-            rec.first_content = next((t for t, x, k in zip(rec.chunk_times, texts, kinds) if x and not k), None)
+        reasoning = any(kinds)
         final = next((u for u in reversed(usage) if u is not None), None)
         if usage and all(u is not None for u, x in zip(usage, texts) if x):
             prev, toks = 0, []
@@ -214,16 +221,21 @@ class Client:
             rec.token_source = "chunks"
         rec.chunk_tokens = toks
         rec.output_tokens = final if final is not None else sum(toks)
+        if reasoning:
+            rec.reasoning = True
+            rec.first_reasoning = next((t for t, n, k in zip(rec.chunk_times, toks, kinds) if n and k), None)
+            rec.first_content = next((t for t, n, k in zip(rec.chunk_times, toks, kinds) if n and not k), None)
+            rec.reasoning_tokens = sum(n for n, k in zip(toks, kinds) if k)
 
-    def _whole(self, rec: RequestRecord, raw: bytes) -> None:
-        """A non-streamed answer: only E2E and token counts are defined."""
+    def _whole(self, rec: RequestRecord, raw: bytes) -> str:
+        """A non-streamed answer: only E2E and token counts are defined. Returns the answer's text."""
         try:
             obj = json.loads(raw)
             c = obj["choices"][0]
             text = (c.get("message") or {}).get("content") or "" if "message" in c else c.get("text") or ""
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             rec.error_kind, rec.error = "malformed_response", _short(raw.decode("utf-8", "replace"))
-            return
+            return ""
         rec.finish_reason = c.get("finish_reason")
         u = obj.get("usage") or {}
         rec.prompt_tokens = u.get("prompt_tokens")
@@ -233,12 +245,13 @@ class Client:
             rec.output_tokens, rec.token_source = self.tokenizer.count(text), "tokenizer"
         else:
             rec.output_tokens, rec.token_source = 1 if text else 0, "chunks"
+        return text
 
 
 class _StreamState:
     """Per-request SSE handling, called from the connection's data_received: keep it to a parse and appends."""
 
-    __slots__ = ("rec", "t0", "chat", "texts", "usage", "kinds", "done", "error")
+    __slots__ = ("rec", "t0", "chat", "texts", "usage", "kinds", "done", "error", "whole_text")
 
     def __init__(self, rec: RequestRecord, t0: float, chat: bool):
         self.rec, self.t0, self.chat = rec, t0, chat
@@ -247,6 +260,7 @@ class _StreamState:
         self.kinds: list[bool] = []  # True = reasoning
         self.done = False
         self.error: tuple[str, str] | None = None
+        self.whole_text = ""  # a non-streamed answer's text
 
     def on_event(self, t: float, payload: bytes) -> HTTPError | None:
         if payload == b"[DONE]":

@@ -65,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="baseline: a results.json or its folder")
     p.add_argument("b", help="candidate: a results.json or its folder")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument("--html", default=None, metavar="PATH",
+                   help="also write an HTML page drawing both runs on the same axes (CDFs, latency vs load)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"inferlab compare: error: {e}", file=sys.stderr)
         return 2
     pairs = list(zip(a["runs"], b["runs"]))
+    if args.html:
+        from inferlab.bench.html_report import render_compare
+
+        Path(args.html).write_text(render_compare([("A", a), ("B", b)]), encoding="utf-8")
+        print(f"html: {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps([{"a_load": x["load"]["label"], "b_load": y["load"]["label"], "rows": compare_rows(x, y)}
                           for x, y in pairs], indent=1))

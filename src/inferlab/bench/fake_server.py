@@ -37,6 +37,7 @@ WORDS = (" the", " of", " and", " to", " in", " is", " that", " for", " it", " a
          " by", " on", " not", " he", " this", " are", " or", " his", " from", " at", " which", " but", " have")
 _WORD_BYTES = tuple(w.encode() for w in WORDS)  # plain words: their JSON form needs no escaping
 FAULTS = ("http500", "drop", "malformed", "stall")
+PREFIX_BLOCK = 16  # words per block of the fake prefix cache
 
 
 @dataclass(slots=True)
@@ -48,7 +49,8 @@ class FakeConfig:
     ttft_per_input_token: float = 0.0  # prefill cost added to ttft per prompt token
     output_len: int | None = None  # force every answer to this many tokens (else max_tokens, else 16)
     max_concurrency: int | None = None  # more requests than this wait in a FIFO queue (a saturated server)
-    reasoning_tokens: int = 0  # chat: the first N tokens are streamed as reasoning_content
+    reasoning_tokens: int = 0  # chat: the first N tokens are streamed as reasoning, in `reasoning_field`
+    reasoning_field: str = "reasoning_content"  # vLLM's name; "reasoning" as OpenRouter, Ollama and others
     model: str = "fake-model"
     api_key: str | None = None
     seed: int = 0
@@ -58,6 +60,8 @@ class FakeConfig:
     def __post_init__(self):
         if self.ttft < 0 or self.itl < 0 or self.jitter < 0 or self.tokens_per_chunk < 1:
             raise ValueError("ttft, itl and jitter must be >= 0 and tokens_per_chunk >= 1")
+        if self.reasoning_field not in ("reasoning_content", "reasoning"):
+            raise ValueError(f"reasoning_field {self.reasoning_field!r}: choose reasoning_content or reasoning")
         unknown = set(self.faults) - set(FAULTS)
         if unknown:
             raise ValueError(f"unknown fault kind(s) {sorted(unknown)}; choose from {', '.join(FAULTS)}")
@@ -98,6 +102,7 @@ class FakeServer:
         self.running = 0
         self.log: list[_Stream] = []
         self._seen_prompts: set[int] = set()
+        self._seen_blocks: set[int] = set()
         self.counters = collections.Counter()
         self.queue_time_sum = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -267,7 +272,7 @@ class FakeServer:
                       + b'","created":0,"model":' + json.dumps(self.cfg.model).encode() + b',"choices":[{"index":0,')
         text = b'"' + b"".join(_WORD_BYTES[i % len(WORDS)] for i in range(start, start + size)) + b'"'
         if s.chat:
-            key = b"reasoning_content" if start < self.cfg.reasoning_tokens else b"content"
+            key = self.cfg.reasoning_field.encode() if start < self.cfg.reasoning_tokens else b"content"
             choice = b'"delta":{"' + key + b'":' + text + b"}"
         else:
             choice = b'"text":' + text
@@ -377,9 +382,7 @@ class FakeServer:
             return conn.send_json(500, _err("fake server: injected internal error", "server_error"))
         count = self.cfg.count_tokens or (lambda t: len(t.split()))
         ptoks = count(prompt)
-        key = hash(prompt)
-        cached = ptoks if key in self._seen_prompts else 0
-        self._seen_prompts.add(key)
+        cached = self._cache_lookup(prompt, ptoks)
         self.counters["prefix_queries"] += ptoks
         self.counters["prefix_hits"] += cached
         self.counters["prompt_tokens"] += ptoks
@@ -392,6 +395,26 @@ class FakeServer:
         if stream:
             conn.start_chunks()
         self.submit(s)
+
+    def _cache_lookup(self, prompt: str, ptoks: int) -> int:
+        """The fake's prefix cache, in prompt tokens served from it: a prompt seen before is all cached;
+        otherwise the longest run of whole PREFIX_BLOCK-word blocks that an earlier prompt began with (chained
+        block hashes, as vLLM's block manager keys them). A conversation's next turn starts with its history,
+        so its history's blocks hit. Counted in words, so exact with the default token counter."""
+        key = hash(prompt)
+        if key in self._seen_prompts:
+            return ptoks
+        self._seen_prompts.add(key)
+        words = prompt.split()
+        h, hit, missed = 0, 0, False
+        for k in range(len(words) // PREFIX_BLOCK):
+            h = hash((h, tuple(words[k * PREFIX_BLOCK:(k + 1) * PREFIX_BLOCK])))
+            if not missed and h in self._seen_blocks:
+                hit += PREFIX_BLOCK
+            else:
+                missed = True
+            self._seen_blocks.add(h)
+        return min(hit, ptoks)
 
     def stats(self) -> dict:
         return {"clock": "time.perf_counter (CLOCK_MONOTONIC)", "requests": [

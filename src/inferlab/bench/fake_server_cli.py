@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=None, help="answer every request with this many tokens")
     p.add_argument("--max-concurrency", type=int, default=None, help="queue requests beyond this many (saturation)")
     p.add_argument("--reasoning-tokens", type=int, default=0, help="chat: stream the first N tokens as reasoning")
+    p.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning"], default="reasoning_content",
+                   help="the delta field reasoning goes in (vLLM: reasoning_content)")
     p.add_argument("--model", default="fake-model", help="the model name served on /v1/models")
     p.add_argument("--api-key", default=None, help="require this bearer token on /v1/*")
     p.add_argument("--tokenizer", default=None, help="count prompt tokens with this tokenizer (default: words)")
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = FakeConfig(ttft=args.ttft, itl=args.itl, tokens_per_chunk=args.tokens_per_chunk, jitter=args.jitter,
                          ttft_per_input_token=args.ttft_per_input_token, output_len=args.output_len,
                          max_concurrency=args.max_concurrency, reasoning_tokens=args.reasoning_tokens,
+                         reasoning_field=args.reasoning_field,
                          model=args.model, api_key=args.api_key, seed=args.seed, faults=args.faults,
                          count_tokens=count)
     except ValueError as e:

@@ -37,6 +37,20 @@ def ttft_content(r: RequestRecord) -> float | None:
     return r.first_content - r.start
 
 
+def ttft_reasoning(r: RequestRecord) -> float | None:
+    """Time to the first reasoning token; defined only when the server streamed reasoning separately."""
+    if not r.reasoning or r.first_reasoning is None or r.start is None:
+        return None
+    return r.first_reasoning - r.start
+
+
+def answer_tokens(r: RequestRecord) -> int | None:
+    """Output tokens that are the answer: all of them, less those streamed as reasoning."""
+    if r.output_tokens is None:
+        return None
+    return r.output_tokens - (r.reasoning_tokens or 0)
+
+
 def e2e(r: RequestRecord) -> float | None:
     """End-to-end latency: arrival of the end of the response minus the latency clock's origin."""
     if r.end is None or r.start is None:
@@ -98,6 +112,7 @@ def inter_chunk_samples(r: RequestRecord) -> np.ndarray:
 # name -> per-request function; the order is the order of the report's table.
 PER_REQUEST = {
     "ttft": ttft,
+    "ttft_reasoning": ttft_reasoning,
     "ttft_content": ttft_content,
     "tpot": tpot,
     "e2e": e2e,
@@ -106,7 +121,7 @@ PER_REQUEST = {
     "client_delay": client_delay,
 }
 PER_TOKEN = {"itl": itl_samples, "inter_chunk": inter_chunk_samples}
-TIME_METRICS = ("ttft", "ttft_content", "tpot", "itl", "inter_chunk", "e2e", "e2e_per_output_token", "client_delay")
+TIME_METRICS = ("ttft", "ttft_reasoning", "ttft_content", "tpot", "itl", "inter_chunk", "e2e", "e2e_per_output_token", "client_delay")
 
 
 def stats(values: np.ndarray | list[float]) -> dict:

@@ -30,7 +30,9 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     first_content: float | None = None  # arrival of the first non-reasoning output, when reasoning was streamed apart
+    first_reasoning: float | None = None  # arrival of the first reasoning token, when reasoning was streamed apart
     reasoning: bool = False  # the server streamed reasoning separately from the answer
+    reasoning_tokens: int | None = None  # output tokens that came as reasoning (when streamed apart)
     token_source: str = "chunks"  # usage | tokenizer | chunks: where chunk_tokens came from
     input_len: int | None = None  # prompt tokens the workload asked for (by the bench tokenizer)
     output_len: int | None = None  # max_tokens asked for
@@ -41,6 +43,8 @@ class RequestRecord:
     error_kind: str | None = None  # None = success; "cancelled" = cut by an interrupt (not a server error)
     error: str | None = None  # a sample of the message
     http_status: int | None = None
+    session: int | None = None  # conversations: which session this turn belongs to
+    turn: int | None = None  # conversations: 1 for a session's first request, 2 for its next, ...
 
     @property
     def ok(self) -> bool:

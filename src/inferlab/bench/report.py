@@ -10,6 +10,7 @@ from inferlab.common.units import format_ms
 
 LABELS = {
     "ttft": "TTFT",
+    "ttft_reasoning": "TTFT (reasoning)",
     "ttft_content": "TTFT (answer)",
     "tpot": "TPOT",
     "itl": "ITL",
@@ -35,7 +36,7 @@ def flat_row(run: dict) -> dict:
     }
     for m in TIME_METRICS:
         for s in STATS:
-            v = run["latency"][m][s]
+            v = run["latency"].get(m, {}).get(s)  # results written before a metric existed lack it
             row[f"{m}_{s}_ms"] = None if v is None else v * 1e3
     pu = run["per_user"]["output_tokens_per_s"]
     row.update(per_user_tokens_per_s_mean=pu["mean"], per_user_tokens_per_s_p50=pu["p50"],
@@ -62,8 +63,8 @@ def run_table(run: dict):
         t.add_column(s, justify="right")
     t.add_column("n", justify="right")
     for m in TIME_METRICS:
-        st = run["latency"][m]
-        if not st["count"]:
+        st = run["latency"].get(m)
+        if not st or not st["count"]:
             continue
         t.add_row(LABELS[m], *(format_ms(st[s], unit=False) for s in STATS), str(st["count"]))
     return t
@@ -114,8 +115,9 @@ def print_results(results: dict, console=None) -> None:
         sm = run.get("server_metrics")
         if sm and "error" not in sm:
             parts = []
-            if sm.get("queue_time_mean_s") is not None:
-                parts.append(f"queue time mean {sm['queue_time_mean_s'] * 1e3:.1f} ms")
+            for key, what in (("queue_time_mean_s", "queue time"), ("prefill_time_mean_s", "prefill time")):
+                if sm.get(key) is not None:  # format_ms keeps 3 digits: 40 us must not print as 0.0 ms
+                    parts.append(f"{what} mean {format_ms(sm[key])}")
             if sm.get("kv_cache_usage"):
                 parts.append(f"KV cache use max {sm['kv_cache_usage']['max']:.0%}")
             if sm.get("preemptions") is not None:

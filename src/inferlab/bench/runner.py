@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from inferlab.bench.client import Client, Target
+from inferlab.bench.conversation import History, Session, ThinkTime, think_rng
 from inferlab.bench.http import Pool
 from inferlab.bench.records import RequestRecord
 from inferlab.bench.tokenizer import load_tokenizer
@@ -82,6 +83,9 @@ class WorkerPlan:
     records_path: str = ""
     t0: float | None = None  # clock origin (absolute perf_counter); None = start now
     stats: dict = field(default_factory=dict)
+    sessions: list[Session] | None = None  # conversations: each closed-loop user runs sessions turn by turn
+    think_time: ThinkTime | None = None
+    seed: int = 0
 
 
 class _Counter:
@@ -143,19 +147,20 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
             if on_done is not None:
                 on_done(rec)
 
-        async def one(rec: RequestRecord) -> None:
-            spec = plan.pool[rec.index % len(plan.pool)]
+        async def one(rec: RequestRecord, spec: RequestSpec | None = None) -> str:
+            spec = spec or plan.pool[rec.index % len(plan.pool)]
             try:
                 if cap is not None:
                     async with cap:
-                        await client.send(rec, spec)
+                        answer = await client.send(rec, spec)
                 else:
-                    await client.send(rec, spec)
+                    answer = await client.send(rec, spec)
             except asyncio.CancelledError:
                 rec.error_kind, rec.error = "cancelled", "the run was interrupted before this request ended"
                 finish(rec)
                 raise
             finish(rec)
+            return answer
 
         async def user() -> None:
             while True:
@@ -165,6 +170,30 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
                 if plan.num_requests is not None and i >= plan.num_requests:
                     return
                 await one(new(i, None))
+
+        async def session_user() -> None:
+            """Take the next session and run its turns, each resending the history with the model's actual
+            answers; then the next session, until the run's request budget or duration is spent. A failed
+            turn ends its session (its history has no answer to resend)."""
+            while True:
+                sid = sessions.next()
+                session = plan.sessions[sid % len(plan.sessions)]
+                hist = History([{"role": "system", "content": session.system}] if session.system else [])
+                for t, turn in enumerate(session.turns, 1):
+                    if plan.duration is not None and perf() - t0 >= plan.duration:
+                        return
+                    i = counter.next()
+                    if plan.num_requests is not None and i >= plan.num_requests:
+                        return
+                    msgs, in_len = hist.ask(turn)
+                    rec = new(i, None)
+                    rec.session, rec.turn = sid, t
+                    answer = await one(rec, RequestSpec(messages=msgs, input_len=in_len, output_len=turn.output_len))
+                    if not rec.ok:
+                        break
+                    hist.answer(answer, rec.output_tokens)
+                    if t < len(session.turns) and plan.think_time is not None:
+                        await asyncio.sleep(plan.think_time.sample(think_rng(plan.seed, sid, t)))
 
         async def dispatch() -> None:
             for i, due in zip(plan.indices, plan.schedule):
@@ -187,7 +216,9 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
         if plan.load.open_loop:
             main = asyncio.create_task(dispatch())
         else:
-            users = [asyncio.create_task(user()) for _ in range(plan.users)]
+            sessions = _Counter()  # conversations run in one process: the history lives in its user's task
+            body = session_user if plan.sessions is not None else user
+            users = [asyncio.create_task(body()) for _ in range(plan.users)]
             inflight.update(users)
             main = asyncio.create_task(asyncio.wait(users))
         flush = asyncio.create_task(flusher())

@@ -80,6 +80,39 @@ def gate(run: dict, slos: dict[str, float], percentile: str = "p99") -> list[str
     return misses
 
 
+BOOTSTRAP = 400  # resamples for a margin's confidence interval
+
+
+def margin(samples: dict, slos: dict[str, float], percentile: str = "p99") -> dict:
+    """How close a run is to its objectives: `ratio` = the largest of (metric at `percentile`) / limit over the
+    objectives, so the gate passes exactly when ratio <= 1; and `ratio_ci`, its 95% bootstrap interval
+    (requests resampled with replacement, BOOTSTRAP times, seeded), which --sweep slo uses to put an interval
+    on the capacity. Like the gate, it reads successful requests only."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    point, boots = [], []
+    for name, limit in slos.items():
+        a = np.asarray(samples[name], dtype=np.float64)
+        if a.size == 0 or limit <= 0:
+            point.append(np.inf)
+            boots.append(np.full(BOOTSTRAP, np.inf))
+            continue
+
+        def at(x, axis=None):
+            if percentile == "max":
+                return np.max(x, axis=axis)
+            return np.percentile(x, float(percentile[1:]), axis=axis, method="linear")
+
+        point.append(float(at(a)) / limit)
+        idx = rng.integers(0, a.size, (BOOTSTRAP, a.size))
+        boots.append(at(a[idx], axis=1) / limit)
+    ratio = max(point)
+    worst = np.max(np.vstack(boots), axis=0)
+    lo, hi = (float(x) for x in np.percentile(worst, [2.5, 97.5]))
+    return {"ratio": ratio, "ratio_ci": [lo, hi]}
+
+
 def _load(results: dict | str | Path) -> dict:
     if isinstance(results, (str, Path)):
         return json.loads(Path(results).read_text(encoding="utf-8"))

@@ -10,6 +10,7 @@ from inferlab.bench import metrics, slo
 from inferlab.bench.records import RequestRecord
 
 TIMELINE_BUCKETS = 200
+MAX_SPANS = 2000  # requests drawn one by one in the report's timeline; more are sampled evenly
 
 
 def summarize(
@@ -63,6 +64,9 @@ def summarize(
         "goodput": None,
         "slo_gate": None,
         "timeline": _timeline([r for r in records if r.error_kind != "cancelled"]),
+        "requests": _request_spans(measured),
+        "reasoning": _reasoning(ok),
+        "by_turn": _by_turn(ok),
         "warnings": list(warnings or []),
     }
     if slos:
@@ -75,7 +79,8 @@ def summarize(
             "share": good / len(measured) if measured else 0.0,
         }
         misses = slo.gate(summary, slos, slo_percentile)
-        summary["slo_gate"] = {"percentile": slo_percentile, "passed": not misses, "misses": misses}
+        summary["slo_gate"] = {"percentile": slo_percentile, "passed": not misses, "misses": misses,
+                               **slo.margin(samples, slos, slo_percentile)}
     summary["warnings"] += _warnings(ok, summary, cache_free)
     return summary
 
@@ -160,7 +165,8 @@ def _warnings(ok: list[RequestRecord], s: dict, cache_free: bool) -> list[str]:
             f"shorter outputs than asked"
         )
     off = s["tokens"]["prompt_offset"]
-    if off["count"] and off["max"] - off["min"] > 2:
+    # a conversation's chat template adds tokens per message, so its offset grows with the turn by design
+    if off["count"] and off["max"] - off["min"] > 2 and not any(r.turn is not None for r in ok):
         out.append(
             f"real prompt lengths drift from the requested ones: the server counted between {off['min']:+.0f} and "
             f"{off['max']:+.0f} tokens more than asked; use --tokenizer with the server's own tokenizer"
@@ -183,3 +189,52 @@ def _warnings(ok: list[RequestRecord], s: dict, cache_free: bool) -> list[str]:
             "ITL is per chunk for those requests"
         )
     return out
+
+
+def _request_spans(measured: list[RequestRecord]) -> dict:
+    """Each measured request's start, first token and end (run clock, seconds), for the report's timeline of
+    requests; at most MAX_SPANS of them, evenly sampled, in start order. A failed request has no first token
+    and ends at the last byte it received."""
+    rs = sorted((r for r in measured if r.start is not None), key=lambda r: r.start)
+    step = max(1, -(-len(rs) // MAX_SPANS))
+    rs = rs[::step]
+    firsts = [metrics.ttft(r) for r in rs]
+    return {"sampled_every": step,
+            "start": [round(r.start, 6) for r in rs],
+            "first_token": [None if f is None else round(r.start + f, 6) for r, f in zip(rs, firsts)],
+            "end": [None if (e := _last_seen(r)) is None else round(e, 6) for r in rs],
+            "ok": [r.ok for r in rs]}
+
+
+def _reasoning(ok: list[RequestRecord]) -> dict | None:
+    """Reasoning and answer token counts of the requests whose server streamed reasoning apart."""
+    rs = [r for r in ok if r.reasoning]
+    if not rs:
+        return None
+    return {"requests": len(rs),
+            "reasoning_tokens": metrics.stats([r.reasoning_tokens or 0 for r in rs]),
+            "answer_tokens": metrics.stats([metrics.answer_tokens(r) for r in rs if r.output_tokens is not None])}
+
+
+def _by_turn(ok: list[RequestRecord]) -> list[dict] | None:
+    """Conversations: TTFT, ITL and prompt size per turn index (turn 1 is a session's first request)."""
+    turns = sorted({r.turn for r in ok if r.turn is not None})
+    if not turns:
+        return None
+    out = []
+    for t in turns:
+        rs = [r for r in ok if r.turn == t]
+        samples = metrics.collect(rs)
+        prompt = [r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in rs]
+        cached = [r.cached_tokens for r in rs if r.cached_tokens is not None]
+        out.append({"turn": t, "count": len(rs),
+                    "ttft": _brief(metrics.stats(samples["ttft"])), "itl": _brief(metrics.stats(samples["itl"])),
+                    "tpot": _brief(metrics.stats(samples["tpot"])),
+                    "input_tokens_mean": float(np.mean([p for p in prompt if p is not None])) if any(
+                        p is not None for p in prompt) else None,
+                    "cached_tokens_mean": float(np.mean(cached)) if cached else None})
+    return out
+
+
+def _brief(st: dict) -> dict:
+    return {k: v for k, v in st.items() if k != "cdf"}

@@ -36,6 +36,7 @@ class Workload:
     spec: dict  # how it was built, for the results' provenance
     cache_free: bool = False  # no two prompts share a prefix on purpose
     warnings: list[str] = field(default_factory=list)
+    sessions: list | None = None  # conversations: list[conversation.Session], run turn by turn
 
     @property
     def schedule(self) -> list[float] | None:

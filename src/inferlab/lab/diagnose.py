@@ -83,7 +83,7 @@ _SERVER_KEYS = {
     # normalised name -> accepted source names: bench's scrape summary (bench/scrape.py), vLLM metric names, or
     # already-normalised values
     "queue_time_mean": ("queue_time_mean", "queue_time_mean_s", "vllm:request_queue_time_seconds"),
-    "prefill_time_mean": ("prefill_time_mean", "vllm:request_prefill_time_seconds"),
+    "prefill_time_mean": ("prefill_time_mean", "prefill_time_mean_s", "vllm:request_prefill_time_seconds"),
     "kv_cache_usage": ("kv_cache_usage", "vllm:kv_cache_usage_perc"),
     "preemptions": ("preemptions", "vllm:num_preemptions", "vllm:num_preemptions_total"),
     "num_waiting": ("num_waiting", "requests_waiting", "vllm:num_requests_waiting"),

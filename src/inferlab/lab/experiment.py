@@ -153,7 +153,7 @@ def compact(run: dict) -> dict:
         error_rate=run["counts"]["error_rate"], completed=run["counts"]["completed"],
         errors={k: v.get("count") for k, v in (run.get("errors") or {}).items()},
         server_metrics={k: v for k, v in (run.get("server_metrics") or {}).items()
-                        if k in ("preemptions", "queue_time_mean_s", "kv_cache_usage", "prefix_cache_hit_rate",
+                        if k in ("preemptions", "queue_time_mean_s", "prefill_time_mean_s", "kv_cache_usage", "prefix_cache_hit_rate",
                                  "requests_running", "requests_waiting")},
         warnings=run.get("warnings") or [],
         machine={k: (run.get("machine") or {}).get(k) for k in ("foreign_cpu_share", "contaminated", "client_bound")},

@@ -9,6 +9,7 @@ import datetime as dt
 import shlex
 
 from inferlab.common.units import format_ms
+from inferlab.bench.launcher import config_flags, fill_template
 from inferlab.lab.card import Card, Check, card_bench_argv
 from inferlab.lab.experiment import PointResult, Variation, rank, score, verdict
 
@@ -262,10 +263,21 @@ def render(card: Card, results: list[PointResult], variations: list[Variation], 
 
     # Reproduce
     L += ["", "## Reproduce", "", "```", command]
-    try:
-        L.append("# one run of the baseline by hand (start the server first):")
-        L.append("inferlab bench " + shlex.join(card_bench_argv(card, requests=requests)))
-    except ValueError:
-        pass
+    L += _by_hand(card, requests)
     L += ["```", ""]
     return "\n".join(L)
+
+
+def _by_hand(card: Card, requests: int | None) -> list[str]:
+    """One baseline run by hand. A `command` server has no bench flag to start it: the report gives its command
+    line on a fixed port, then bench pointed at that port."""
+    s = card.server
+    if s.kind != "command":
+        return ["# one run of the baseline by hand:",
+                "inferlab bench " + shlex.join(card_bench_argv(card, requests=requests))]
+    port = 8000
+    serve = fill_template(s.command, port) + config_flags(s.config)
+    return ["# one run of the baseline by hand: start the server, wait for its /health, then measure it",
+            shlex.join(serve) + " &",
+            "inferlab bench " + shlex.join(card_bench_argv(card, base_url=f"http://127.0.0.1:{port}",
+                                                           requests=requests))]
