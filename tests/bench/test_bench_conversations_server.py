@@ -27,7 +27,7 @@ def test_conversation_hit_rate_matches_the_server_and_ttft_falls_with_the_turn(b
                  ready_timeout=900, log_path=tmp_path / "server.log", env=env)
     try:
         hits0, queries0 = counters(srv.base_url)
-        rc, res, _ = bench("--base-url", srv.base_url, "--dataset-format", "conversations", "--concurrency", "2",
+        rc, res, _ = bench("--base-url", srv.base_url, "--dataset-format", "conversations", "--concurrency", "1",
                            "--num-requests", "8", "--turns", "4", "--first-turn-len", "768", "--input-len", "16",
                            "--output-len", "4", "--scrape-interval", "0.5")
         hits1, queries1 = counters(srv.base_url)
@@ -44,5 +44,7 @@ def test_conversation_hit_rate_matches_the_server_and_ttft_falls_with_the_turn(b
     turns = {t["turn"]: t for t in run["by_turn"]}
     assert sorted(turns) == [1, 2, 3, 4]
     assert all(turns[t]["input_tokens_mean"] > turns[t - 1]["input_tokens_mean"] for t in (2, 3, 4))
+    # One user at a time, so no turn waits behind another session's prefill: turn 1 prefills 768+ tokens, later
+    # turns ~30 (the rest is cached), a margin of an order of magnitude that machine noise does not close.
     first = turns[1]["ttft"]["p50"]
     assert all(turns[t]["ttft"]["p50"] < first for t in (2, 3, 4)), {t: v["ttft"]["p50"] for t, v in turns.items()}
