@@ -24,8 +24,10 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/inferlab bench --concurrency 8 --num-requests 48 --warmup 4 --input-len 128 --output-len 64
 
+# The C++ kernels build into the checkout (build/ is ignored), so a run never waits on, or loads, another
+# checkout's build in ~/.cache/torch_extensions (a build killed mid-way leaves a lock there that blocks the next).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/build/torch_extensions $(PY) -m pytest -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info
