@@ -54,7 +54,7 @@ def test_predict_writes_points_max_rate_replicas_and_disaggregation(setup, capsy
     card, profile, tmp = setup
     out = tmp / "pred.json"
     rc = main(["simulate", "predict", str(card), "--profile", str(profile), "--rates", "1,3", "--requests", "150",
-               "--target-rate", "12", "--disaggregate", "2", "--json", str(out)])
+               "--target-rate", "12", "--disaggregate", "2", "--json", str(out), "--html", str(tmp / "p.html")])
     assert rc == 0
     d = json.loads(out.read_text())
     assert [p["rate"] for p in d["points"]] == [1.0, 3.0]
@@ -66,6 +66,8 @@ def test_predict_writes_points_max_rate_replicas_and_disaggregation(setup, capsy
     assert 0 < m["rate"] <= 1.05 * m["saturation"] and m["at_max"]["meets_card"]
     assert {r["topology"] for r in d["disaggregation"]} == {"2 replicas (least-loaded)", "1P+1D (least-loaded)"}
     assert d["replicas_for_target"]["replicas"] >= 2
+    page = (tmp / "p.html").read_text()
+    assert page.count("<svg") == 3 and "1P+1D" in page
     text = capsys.readouterr().out
     assert "highest rate meeting the card's objectives" in text and "replicas needed for 12 req/s" in text
 

@@ -77,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q.add_argument("--trace", default=None, help="replay a bench trace file (timestamp, input_len, output_len)")
         q.add_argument("--trace-speeds", default="1", help="trace replay speed-ups, comma-separated")
         q.add_argument("--no-search", action="store_true", help="skip the SLO-max rate search")
+        q.add_argument("--html", default=None, help="write an HTML page of the predictions (charts) here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,6 +234,10 @@ def _predict(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str), encoding="utf-8")
         print(f"predictions: {args.json}")
+    if args.html:
+        from inferlab.lab.sim_html import write_html
+
+        print(f"html: {write_html(out, args.html)}")
     return 0
 
 
@@ -304,30 +309,41 @@ def _validate(args) -> int:
     from inferlab.bench.benchmark import Benchmark
     from inferlab.bench.runner import Load
     from inferlab.lab import capacity
-    from inferlab.lab.card import to_bench_config
+    from inferlab.lab.card import start_server, to_bench_config
 
     sc = _scenario(args)
     rates = _rates(args.rates)
     if not rates:
         raise ValueError("validate needs --rates (requests/s the calibration did not use)")
-    rows, out = [], {"card": sc.card.name, "profile": args.profile, "points": []}
-    for i, rate in enumerate(rates):
-        arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
-        cfg = to_bench_config(sc.card, base_url=args.base_url, output_dir=Path(args.output_dir) / f"rate-{rate:g}")
-        cfg.loads = [Load("rate", rate, arrival, args.burstiness or 1.0)]
-        cfg.num_requests, cfg.duration = args.requests, None
-        print(f"bench at {rate:g} req/s ({args.requests} requests) ...", file=sys.stderr)
-        outcome = asyncio.run(Benchmark(cfg).run())
-        measured = outcome.results["runs"][0]
-        predicted = capacity.simulate(sc, rate=rate)
-        point = compare(measured, predicted)
-        point["rate"] = rate
-        point["results"] = str(outcome.path)
-        out["points"].append(point)
-        rows.append(point)
-        if outcome.interrupted:
-            break
-    print_validation(rows)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    srv = None
+    base_url = args.base_url
+    if base_url is None:  # one server for every rate, started as the card says (as `inferlab experiment` does)
+        print(f"starting the card's server ({sc.card.server.kind}) ...", file=sys.stderr)
+        srv = start_server(sc.card.server, log_path=out_dir / "server.log")
+        base_url = srv.base_url
+    out = {"card": sc.card.name, "profile": args.profile, "base_url": base_url, "points": []}
+    try:
+        for rate in rates:
+            arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
+            cfg = to_bench_config(sc.card, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
+            cfg.loads = [Load("rate", rate, arrival, args.burstiness or 1.0)]
+            cfg.num_requests, cfg.duration = args.requests, None
+            print(f"bench at {rate:g} req/s ({args.requests} requests + {cfg.warmup} warmup) ...", file=sys.stderr)
+            outcome = asyncio.run(Benchmark(cfg).run())
+            measured = outcome.results["runs"][0]
+            # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
+            predicted = capacity.simulate(replace(sc, arrival=arrival), rate=rate)
+            point = compare(measured, predicted)
+            point.update(rate=rate, results=str(outcome.path))
+            out["points"].append(point)
+            if outcome.interrupted:
+                break
+    finally:
+        if srv is not None:
+            srv.stop()
+    print_validation(out["points"])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 0

@@ -85,6 +85,7 @@ class FitQuality:
     rel_abs_p50: float | None = None
     rel_abs_p90: float | None = None
     rel_abs_max: float | None = None
+    outliers: int = 0  # measurements left out of the fit as outliers (robust fits), still in the figures above
     rows: list[dict] = field(default_factory=list)  # per measurement: label, measured, predicted (black-box fits)
 
 
@@ -198,11 +199,13 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit_step_cost(features: list[StepFeatures], measured: list[float], *, relative: bool = True,
-                  labels: list[str] | None = None, fixed_zero: tuple[str, ...] = ()) -> tuple[np.ndarray, FitQuality]:
+                  labels: list[str] | None = None, fixed_zero: tuple[str, ...] = (),
+                  robust: bool = False) -> tuple[np.ndarray, FitQuality]:
     """Fit the coefficients to measurements (seconds), each the summed features of the steps it spans.
     relative=True minimises relative error (a 10 ms step counts as much as a 1 s prefill). Coefficients named in
-    `fixed_zero` stay 0 (the data cannot tell them apart from others). Returns the coefficients in COEFFICIENTS
-    order and the residuals."""
+    `fixed_zero` stay 0 (the data cannot tell them apart from others). robust=True refits without measurements
+    whose relative residual exceeds max(25 %, 5 x the median one) — a step another process stalled — a few times.
+    Returns the coefficients in COEFFICIENTS order and the residuals over every measurement."""
     if len(features) != len(measured) or not features:
         raise ValueError("calibration needs at least one measurement, each with its features")
     x = np.stack([f.vector() for f in features])
@@ -210,14 +213,23 @@ def fit_step_cost(features: list[StepFeatures], measured: list[float], *, relati
     if (y <= 0).any():
         raise ValueError("every measured time must be positive")
     keep = np.array([c not in fixed_zero and x[:, i].any() for i, c in enumerate(COEFFICIENTS)])
-    w = 1.0 / y if relative else np.ones_like(y)
-    # Scale columns to unit norm so the active set's tolerances are not dominated by the attended-pairs column.
-    norms = np.linalg.norm(x[:, keep] * w[:, None], axis=0)
-    norms[norms == 0] = 1.0
-    sol = nonnegative_lstsq(x[:, keep] * w[:, None] / norms, y * w) / norms
-    coef = np.zeros(len(COEFFICIENTS))
-    coef[keep] = sol
-    return coef, quality(x @ coef, y, labels)
+    use = np.ones(len(y), dtype=bool)
+    for _ in range(4 if robust else 1):
+        w = 1.0 / y[use] if relative else np.ones(use.sum())
+        a = x[use][:, keep] * w[:, None]
+        # Scale columns to unit norm so the active set's tolerances are not dominated by the attended column.
+        norms = np.linalg.norm(a, axis=0)
+        norms[norms == 0] = 1.0
+        coef = np.zeros(len(COEFFICIENTS))
+        coef[keep] = nonnegative_lstsq(a / norms, y[use] * w) / norms
+        rel = np.abs(x @ coef - y) / y
+        inlier = rel <= max(0.25, 5 * float(np.median(rel)))
+        if not robust or (inlier == use).all() or inlier.sum() < keep.sum() + 2:
+            break
+        use = inlier
+    q = quality(x @ coef, y, labels)
+    q.outliers = int((~use).sum())
+    return coef, q
 
 
 def quality(pred: np.ndarray, y: np.ndarray, labels: list[str] | None = None) -> FitQuality:
@@ -228,7 +240,7 @@ def quality(pred: np.ndarray, y: np.ndarray, labels: list[str] | None = None) ->
                                       for lb, m, p in zip(labels, y, pred)]
     a = np.abs(rel)
     return FitQuality(len(y), r2, float(rel.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 90)),
-                      float(a.max()), rows)
+                      float(a.max()), rows=rows)
 
 
 def with_coefficients(coef: np.ndarray, **meta) -> StepCost:
