@@ -79,7 +79,7 @@ class FakeEngine:
 
 def test_engine_profile_recovers_known_coefficients():
     feats, times, labels = profile_engine(FakeEngine(TRUE, noise=0.03), repeats=2, log=lambda m: None)
-    assert len(times) > 100 and {"mixed", "prefill 16"} <= set(labels)
+    assert len(times) > 100 and {"mixed", "prefill 16", "16 prompts of 2"} <= set(labels)
     coef, q = fit_step_cost(feats, times, fixed_zero=("request_overhead",))
     got = with_coefficients(coef)
     for name in ("intercept", "per_prefill_token", "per_decode_seq", "per_attended"):
@@ -106,7 +106,7 @@ def test_robust_fit_sets_stalled_steps_aside():
     coef, q = fit_step_cost(feats, times, robust=True)
     assert np.allclose(coef, TRUE.coefficients(), rtol=1e-6) and q.outliers == stalled.sum()
     plain, _ = fit_step_cost(feats, times)
-    assert not np.allclose(plain, TRUE.coefficients(), rtol=0.1)  # why the robust fit exists
+    assert not np.allclose(plain, TRUE.coefficients(), rtol=0.01)  # the stalls bias a plain fit
 
 
 @dataclass(slots=True)

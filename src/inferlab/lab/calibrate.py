@@ -37,12 +37,12 @@ def profile_plan(max_num_seqs: int, budget: int) -> list[tuple[str, list[int], i
         plan.append((f"prefill {p}", [p], 2))
     b = 1
     while b <= max_num_seqs:
-        for ctx in (32, 256):
-            plan.append((f"decode {b} x ctx {ctx}", [ctx] * b, 12))
-        b *= 4 if b >= 4 else 2
+        for ctx in (32, 512):
+            plan.append((f"decode {b} x ctx {ctx}", [ctx] * b, 8))
+        b *= 2
     # Many short prompts finish their prefill in one step: sampled rows apart from prefill tokens and decodes.
-    for k in (4, min(16, max_num_seqs)):
-        plan.append((f"{k} prompts of 16", [16] * k, 2))
+    for k in sorted({4, min(16, max_num_seqs), min(64, max_num_seqs)}):
+        plan.append((f"{k} prompts of 2", [2] * k, 2))
     plan.append(("mixed", [48, 48, 48, 48, 300, 40, 200], 10))
     return plan
 
