@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.outputs import RequestMetrics
@@ -253,9 +253,8 @@ class _Run:
 
     def send_next(self, t: float) -> None:
         if self.next_index < len(self.requests):
-            r = self.requests[self.next_index]
+            r = replace(self.requests[self.next_index], arrival=t)  # the caller's list stays as given
             self.next_index += 1
-            r.arrival = t
             self.push(t, "arrive", r)
 
     # -- requests --------------------------------------------------------------------------------------------
