@@ -140,9 +140,21 @@ def print_profile(cost) -> None:
         t.add_row(name, f"{getattr(cost, name) * scale:.3f} {unit}")
     q = cost.fit
     _console().print(t)
+    if q.rows:
+        groups: dict[str, list[float]] = {}
+        for r in q.rows:
+            groups.setdefault(r["label"].split(" (")[0], []).append(r["predicted"] / r["measured"] - 1)
+        g = Table(title="residuals by measurement kind: predicted / measured - 1")
+        for col in ("measurements", "n", "median", "worst"):
+            g.add_column(col, justify="left" if col == "measurements" else "right")
+        for name, errs in groups.items():
+            errs.sort()
+            g.add_row(name, str(len(errs)), f"{errs[len(errs) // 2]:+.0%}", f"{max(errs, key=abs):+.0%}")
+        _console().print(g)
     if q.n:
         print(f"fit: {q.n} measurements, R² {q.r2:.4f}; relative residuals |pred-meas|/meas p50 "
-              f"{q.rel_abs_p50:.1%}, p90 {q.rel_abs_p90:.1%}, max {q.rel_abs_max:.1%}; mean signed {q.rel_mean:+.1%}")
+              f"{q.rel_abs_p50:.1%}, p90 {q.rel_abs_p90:.1%}, max {q.rel_abs_max:.1%}; mean signed {q.rel_mean:+.1%}"
+              + (f"; {q.outliers} left out of the fit as outliers" if q.outliers else ""))
 
 
 def _console():
