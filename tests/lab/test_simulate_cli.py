@@ -63,7 +63,7 @@ def test_predict_writes_points_max_rate_replicas_and_disaggregation(setup, capsy
         lit = p["little"]
         assert lit["mean_in_system"] == pytest.approx(lit["arrival_rate"] * lit["mean_time_in_system"], rel=1e-9)
     m = d["max_rate"]
-    assert 0 < m["rate"] <= 1.05 * m["saturation"] and m["at_max"]["meets_card"]
+    assert 0 < m["rate"] <= m["saturation"] and m["at_max"]["meets_card"]
     assert {r["topology"] for r in d["disaggregation"]} == {"2 replicas (least-loaded)", "1P+1D (least-loaded)"}
     assert d["replicas_for_target"]["replicas"] >= 2
     page = (tmp / "p.html").read_text()
