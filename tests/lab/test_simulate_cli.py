@@ -120,3 +120,25 @@ def test_bad_input_is_named(setup, capsys):
     assert "--rates '1,x'" in capsys.readouterr().err
     assert main(["simulate", "predict", str(card), "--profile", str(profile), "--router", "random"]) == 2
     assert "unknown router 'random'" in capsys.readouterr().err
+
+
+def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):
+    from inferlab.lab.sim_workload import trace_requests
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"timestamp": 10.0, "input_len": 40, "output_len": 5, "hash_ids": [1, 2]},
+        {"timestamp": 12.0, "input_length": 50, "output_length": 3, "hash_ids": [1, 3]},
+        {"timestamp": 11.0, "input_len": 8, "output_len": 2}]) + "\n")
+    reqs = trace_requests(path, speed=2.0, block_size=16)
+    assert [r.arrival for r in reqs] == [0.0, 0.5, 1.0]
+    assert [len(r.prompt_token_ids) for r in reqs] == [40, 8, 50] and [r.output_len for r in reqs] == [5, 2, 3]
+    assert reqs[0].prompt_token_ids[:16] == reqs[2].prompt_token_ids[:16]  # hash id 1: the same block
+    assert reqs[0].prompt_token_ids[16:32] != reqs[2].prompt_token_ids[16:32]
+    card = load_card(setup[0])
+    sc = capacity.Scenario(card, StepCost.load(setup[1]), shape_from(StepCost.load(setup[1]).engine), trace=reqs)
+    s = capacity.simulate(sc, speed=1.0)
+    assert s["counts"]["completed"] == 3 and s["load"]["kind"] == "trace"
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: needs JSON with timestamp, input_len and output_len"):
+        trace_requests(tmp_path / "bad.jsonl")

@@ -104,7 +104,7 @@ def _calibrate(args) -> int:
         cost = calibrate_engine(EngineConfig.from_cli_args(args), args.repeats, log=lambda m: print(m, file=sys.stderr))
         cost.command = command
     else:
-        from inferlab.lab.hardware import THIS_MACHINE, resolve_hardware
+        from inferlab.lab.hardware import resolve_hardware
         from inferlab.lab.model_presets import resolve_model
         from inferlab.lab.simulator import EngineShape
 
@@ -115,8 +115,6 @@ def _calibrate(args) -> int:
         hw = resolve_hardware(args.hardware)
         dtype = "bf16"
         hardware = {"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.peak_flops(dtype)}
-        if args.hardware.strip().lower() == THIS_MACHINE:
-            hardware["name"] = hw.name
         cost = calibrate_blackbox(args.results, shape, {"name": spec.name, "dtype": dtype,
                                                         "kv_bytes_per_token": spec.kv_bytes_per_token(2)},
                                   hardware, command)
