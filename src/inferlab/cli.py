@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("inferlab.lab.fit_cli", "memory fit and roofline estimates for a model on a hardware preset"),
     "experiment": ("inferlab.lab.experiment_cli", "one-variable-at-a-time experiments from a workload card"),
     "diagnose": ("inferlab.lab.diagnose_cli", "hypotheses about bottlenecks from bench results"),
+    "simulate": ("inferlab.lab.simulate_cli", "predict latency, goodput and capacity with the engine's own scheduler"),
 }
 
 

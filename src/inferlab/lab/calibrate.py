@@ -1,0 +1,236 @@
+"""Calibrating the step-cost model, two ways.
+
+(a) From inferlab's own engine, offline: a short profile that steps `LLMEngine` through prefill-only steps of
+    several prompt lengths (past the step budget, so chunks too), decode batches of several sizes and contexts, and
+    mixed steps; each step's features come from the batch the engine's scheduler returned (captured by wrapping the
+    engine instance's `scheduler.schedule`, not by changing the engine) and its time is `engine.last_step_time`.
+    Every coefficient is identifiable from such a design.
+(b) Black-box, from `inferlab bench` results of any OpenAI-compatible server:
+      - one stream (concurrency 1): each request's TTFT is its prompt's prefill steps (chunked by the step budget)
+        plus the request overhead, and its TPOT is one decode step at its mean context;
+      - concurrency c > 1: the run's median ITL is one decode step of c sequences at the mean context;
+      - the same runs' throughput: their whole duration is the sum of their steps (about output tokens / c steps).
+    Each measurement is a sum of step features, so the fit stays linear. The sampler's per-row cost cannot be told
+    apart from a decode's from the outside (every decode samples one row), so it is folded into per_decode_seq.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from inferlab.bench.records import read_records
+from inferlab.lab.simulator import EngineShape
+from inferlab.lab.step_cost import StepCost, StepFeatures, batch_features, chunk_features, fit_step_cost, \
+    with_coefficients
+
+
+# --- (a) the engine profile ------------------------------------------------------------------------------------
+
+def profile_plan(max_num_seqs: int, budget: int) -> list[tuple[str, list[int], int]]:
+    """Scenarios (label, prompt lengths, output tokens): prefills alone, decode batches, and mixes."""
+    plan: list[tuple[str, list[int], int]] = []
+    for p in sorted({16, 64, 128, 256, min(512, budget), budget + budget // 2}):
+        plan.append((f"prefill {p}", [p], 2))
+    b = 1
+    while b <= max_num_seqs:
+        for ctx in (32, 512):
+            plan.append((f"decode {b} x ctx {ctx}", [ctx] * b, 8))
+        b *= 2
+    # Many short prompts finish their prefill in one step: sampled rows apart from prefill tokens and decodes.
+    for k in sorted({4, min(16, max_num_seqs), min(64, max_num_seqs)}):
+        plan.append((f"{k} prompts of 2", [2] * k, 2))
+    plan.append(("mixed", [48, 48, 48, 48, 300, 40, 200], 10))
+    return plan
+
+
+def profile_engine(engine, repeats: int = 3, log=print) -> tuple[list[StepFeatures], list[float], list[str]]:
+    """Run the profile on an LLMEngine; returns each step's features, seconds and scenario label.
+
+    The plan is deterministic, so the k-th step of a scenario carries the same batch in every pass; each step's
+    time is the minimum over `repeats` passes (after a warm-up pass), which filters out what a shared machine adds
+    (noise there only ever makes a step slower), as the hardware probe's best-of-N does."""
+    from inferlab.engine.sampling_params import SamplingParams
+
+    sched = engine.scheduler
+    captured: list[StepFeatures] = []
+    original = sched.schedule
+
+    def schedule():
+        batch = original()
+        captured.append(batch_features(batch) if batch else StepFeatures())
+        return batch
+
+    sched.schedule = schedule  # this engine instance only: the profile watches, the engine is unchanged
+    best: dict[tuple[str, int], tuple[StepFeatures, float]] = {}
+    plan = profile_plan(engine.config.max_num_seqs, engine.config.max_num_batched_tokens)
+    try:
+        for rep in range(repeats + 1):
+            rng = np.random.default_rng(rep)  # new prompts each pass: no prefix-cache hits across passes
+            # Pass 0 warms up (allocations, kernel selection) on a long prefill and a decode batch, and is dropped.
+            for label, prompts, out in plan if rep else [plan[4], plan[-1]]:
+                t0 = time.perf_counter()
+                for i, p in enumerate(prompts):
+                    engine.add_request(f"{label}-{rep}-{i}", rng.integers(100, 20000, p).tolist(),
+                                       SamplingParams(max_tokens=out, ignore_eos=True, temperature=1.0))
+                k = 0
+                while engine.has_work():
+                    captured.clear()
+                    engine.step()
+                    if rep and captured and captured[0].steps:
+                        key = (label, k)
+                        prev = best.get(key)
+                        if prev is not None and prev[0] != captured[0]:
+                            raise RuntimeError(f"profile step {key} changed its batch between passes")
+                        if prev is None or engine.last_step_time < prev[1]:
+                            best[key] = (captured[0], engine.last_step_time)
+                        k += 1
+                if rep:
+                    log(f"  pass {rep}: {label}: {k} steps, {time.perf_counter() - t0:.2f} s")
+    finally:
+        del sched.schedule
+    keys = list(best)
+    return [best[k][0] for k in keys], [best[k][1] for k in keys], [k[0] for k in keys]
+
+
+def calibrate_engine(config, repeats: int = 3, log=print) -> StepCost:
+    from inferlab.engine.llm_engine import LLMEngine
+    from inferlab.lab.hardware import probe_this_machine
+
+    engine = LLMEngine(config)
+    log(f"profiling the engine ({engine.model_name}, {engine.dtype}, {engine.block_manager.num_blocks} KV blocks)")
+    feats, times, labels = profile_engine(engine, repeats, log)
+    coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("request_overhead",), robust=True)
+    keep_features(q, feats)
+    dtype = "bf16" if "bfloat16" in str(engine.dtype) else "fp32"
+    hw = probe_this_machine(str(engine.device))
+    c = engine.config
+    return with_coefficients(
+        coef, source="engine profile", fit=q,
+        engine=shape_dict(EngineShape(c.max_num_seqs, c.max_num_batched_tokens, c.max_prefill_tokens_with_decodes,
+                                      c.block_size, engine.block_manager.num_blocks, c.enable_prefix_caching)),
+        model={"name": engine.model_name, "dtype": dtype,
+               "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(2 if dtype == "bf16" else 4)},
+        hardware={"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.peak_flops(dtype)},
+        notes=[f"{len(times)} engine steps, each the best of {repeats} passes of LLMEngine.last_step_time (schedule + "
+               f"forward + sample + append); request_overhead is not visible offline and is 0"])
+
+
+def keep_features(q, feats: list[StepFeatures]) -> None:
+    """The profile keeps every measurement's features beside its time, so it can be refitted or audited later."""
+    for row, f in zip(q.rows, feats):
+        row["features"] = dict(zip(("steps", "prefill_tokens", "decode_seqs", "attended", "sampled_rows",
+                                    "requests"), f.vector().tolist()))
+
+
+def shape_dict(s: EngineShape) -> dict:
+    from dataclasses import asdict
+
+    return asdict(s)
+
+
+def shape_from(d: dict) -> EngineShape:
+    names = set(EngineShape.__dataclass_fields__)
+    return EngineShape(**{k: v for k, v in d.items() if k in names})
+
+
+# --- (b) black-box, from bench results ---------------------------------------------------------------------------
+
+def prefill_features(prompt: int, budget: int) -> StepFeatures:
+    """The steps one prompt's prefill takes alone: chunks of the step budget, the last one sampling."""
+    f, done = StepFeatures(), 0
+    while done < prompt:
+        n = min(budget, prompt - done)
+        f = f + chunk_features(done, n, done + n >= prompt) + StepFeatures(steps=1)
+        done += n
+    return f
+
+
+def blackbox_measurements(results_paths: list[str | Path], budget: int
+                          ) -> tuple[list[StepFeatures], list[float], list[str]]:
+    feats: list[StepFeatures] = []
+    times: list[float] = []
+    labels: list[str] = []
+    for path in results_paths:
+        path = Path(path)
+        try:
+            results = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read bench results {path}: {e}") from None
+        if not str(results.get("schema", "")).startswith("inferlab.bench.results"):
+            raise ValueError(f"{path}: not an `inferlab bench` results.json")
+        rec_path = path.parent / results.get("records", "records.jsonl")
+        records = list(read_records(rec_path)) if rec_path.exists() else []
+        for run in results["runs"]:
+            load = run["load"]
+            runs_recs = [r for r in records if r.run == run.get("run", 0) and r.ok and not r.warmup]
+            name = f"{path.parent.name}:{load['label']}"
+            if load["kind"] == "concurrency" and load["value"] == 1:
+                for r in runs_recs:
+                    p = r.prompt_tokens or r.input_len
+                    n = r.output_tokens or 0
+                    ttft = _ttft(r)
+                    if p and ttft and ttft > 0:
+                        feats.append(prefill_features(p, budget) + StepFeatures(requests=1))
+                        times.append(ttft)
+                        labels.append(f"{name} ttft (prompt {p})")
+                    if p and n >= 2 and r.end is not None and ttft:
+                        tpot = (r.end - r.start - ttft) / (n - 1)
+                        if tpot > 0:
+                            feats.append(StepFeatures(1, 0, 1, p + n / 2, 1))
+                            times.append(tpot)
+                            labels.append(f"{name} tpot (prompt {p})")
+                continue
+            itl = run["latency"]["itl"].get("p50")
+            users = load["value"] if load["kind"] == "concurrency" else _mean_concurrency(run)
+            ins = run["tokens"]["input"].get("mean")
+            outs = run["tokens"]["output"].get("mean")
+            if itl and users and ins and outs:
+                c = max(1.0, float(users))
+                feats.append(StepFeatures(1, 0, c, c * (ins + outs / 2), c))
+                times.append(itl)
+                labels.append(f"{name} itl p50")
+            if load["kind"] == "concurrency" and runs_recs and run["window"]["duration"] > 0:
+                f = StepFeatures()
+                for r in runs_recs:
+                    p, n = r.prompt_tokens or r.input_len or 0, r.output_tokens or 0
+                    f = f + chunk_features(0, p, True) + StepFeatures(0, 0, max(n - 1, 0),
+                                                                        max(n - 1, 0) * (p + n / 2), max(n - 1, 0))
+                total_out = sum(r.output_tokens or 0 for r in runs_recs)
+                f = f + StepFeatures(steps=total_out / load["value"])
+                feats.append(f)
+                times.append(run["window"]["duration"])
+                labels.append(f"{name} duration (throughput)")
+    if not feats:
+        raise ValueError("no usable measurements: calibrate from bench runs at concurrency 1 (TTFT and TPOT against "
+                         "prompt length) and at a few higher concurrencies (ITL and throughput)")
+    return feats, times, labels
+
+
+def _ttft(r) -> float | None:
+    for t, k in zip(r.chunk_times, r.chunk_tokens):
+        if k > 0 and r.start is not None:
+            return t - r.start
+    return None
+
+
+def _mean_concurrency(run: dict) -> float | None:
+    """Open loop: requests in flight on average = throughput x mean E2E (Little's law)."""
+    e2e = run["latency"]["e2e"].get("mean")
+    return None if not e2e else run["throughput"]["requests_per_s"] * e2e
+
+
+def calibrate_blackbox(results_paths: list[str | Path], shape: EngineShape, model: dict, hardware: dict,
+                       command: str = "") -> StepCost:
+    feats, times, labels = blackbox_measurements(results_paths, shape.max_num_batched_tokens)
+    coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("per_sampled_row",), robust=True)
+    keep_features(q, feats)
+    return with_coefficients(
+        coef, source="black-box bench", command=command, fit=q, engine=shape_dict(shape), model=model,
+        hardware=hardware,
+        notes=[f"{len(times)} measurements from {len(results_paths)} bench result file(s); the sampler's per-row "
+               f"cost is folded into per_decode_seq (indistinguishable from outside)",
+               "scheduler settings are what the caller declared for the server, not observed"])

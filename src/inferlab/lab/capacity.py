@@ -1,0 +1,123 @@
+"""Questions answered by simulation for a workload card: latency and goodput against arrival rate, the highest rate
+that meets the card's objectives, replicas needed for a target rate, colocated against disaggregated serving.
+
+"Meets the card" means every latency objective, the goodput objective and the error-rate objective pass on the
+simulated run (`card.evaluate`, the same checks a bench run gets); throughput floors are left out, since they are
+a property of the offered load rather than of the server. Each search point reuses the same seed (common random
+numbers), so two rates differ by their load, not by their draw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from inferlab.lab.card import Card, Check, evaluate
+from inferlab.lab.sim_summary import summarize
+from inferlab.lab.sim_workload import card_requests
+from inferlab.lab.simulator import EngineShape, Simulation, SimRequest, Topology
+from inferlab.lab.step_cost import StepCost
+
+CHECK_KINDS = ("latency", "goodput", "reliability")
+
+
+@dataclass(slots=True)
+class Scenario:
+    """Everything one simulated point needs besides its load."""
+
+    card: Card
+    cost: StepCost
+    shape: EngineShape
+    topology: Topology = field(default_factory=Topology)
+    requests: int = 400  # measured requests per point
+    arrival: str | None = None  # None: the card's (poisson for a closed-loop card run open)
+    burstiness: float | None = None
+    trace: list[SimRequest] | None = None  # replay these instead of drawing from the card
+
+    def with_topology(self, **kw) -> "Scenario":
+        return replace(self, topology=replace(self.topology, **kw))
+
+
+def simulate(sc: Scenario, rate: float | None = None, users: int | None = None, speed: float = 1.0) -> dict:
+    """One point: open loop at `rate`, closed loop with `users`, or the trace at `speed`x. A bench-shaped summary."""
+    card = sc.card
+    if sc.trace is not None:
+        reqs = [replace(r, arrival=r.arrival / speed) for r in sc.trace]
+        load = {"kind": "trace", "value": speed, "label": f"trace x{speed:g}"}
+    elif users is not None:
+        reqs = card_requests(card.traffic, max(sc.requests, 4 * users), rate=math.inf)
+        load = {"kind": "concurrency", "value": users, "label": f"concurrency {users}"}
+    else:
+        arrival = sc.arrival or (card.traffic.arrival if not card.traffic.closed_loop else "poisson")
+        reqs = card_requests(card.traffic, sc.requests, rate=rate, arrival=arrival, burstiness=sc.burstiness)
+        label = f"{arrival} {rate:g} req/s"
+        load = {"kind": "rate", "value": rate, "arrival": arrival, "label": label}
+    run = Simulation(sc.cost, sc.shape, sc.topology).run(reqs, users=users)
+    s = summarize(run, load=load, slos=card.objectives.request_slos())
+    s["topology"] = sc.topology.describe()
+    return s
+
+
+def checks(card: Card, summary: dict) -> list[Check]:
+    return [c for c in evaluate(card.objectives, summary) if c.kind in CHECK_KINDS]
+
+
+def meets(card: Card, summary: dict) -> bool:
+    return all(c.passed is True for c in checks(card, summary))
+
+
+def saturation(sc: Scenario) -> float:
+    """Requests/s the topology completes when it is never idle: a closed loop of enough users to fill every slot."""
+    t = sc.topology
+    n_inst = (t.prefill + t.decode) if t.disaggregated else t.replicas
+    users = max(2, sc.shape.max_num_seqs * n_inst * 2)
+    return simulate(sc, users=users)["throughput"]["requests_per_s"]
+
+
+@dataclass(slots=True)
+class MaxRate:
+    rate: float | None  # highest rate found meeting the card; None: not even the lowest tried
+    saturation: float  # requests/s at full load
+    summary: dict | None  # at `rate`
+    tried: list[tuple[float, bool]]
+
+
+def max_rate(sc: Scenario, rel_tol: float = 0.02) -> MaxRate:
+    """Bisection on the rate between 0 and the saturation throughput: a rate above what the topology completes
+    cannot meet latency objectives for long (queues grow without bound), though a finite run near saturation
+    may still pass, so the answer is capped there."""
+    sat = saturation(sc)
+    tried: list[tuple[float, bool]] = []
+    lo, hi, best = 0.0, sat, None
+    probe = sat * 0.05
+    s = simulate(sc, rate=probe)
+    tried.append((probe, meets(sc.card, s)))
+    if not tried[-1][1]:
+        return MaxRate(None, sat, s, tried)
+    lo, best = probe, s
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        s = simulate(sc, rate=mid)
+        ok = meets(sc.card, s)
+        tried.append((mid, ok))
+        if ok:
+            lo, best = mid, s
+        else:
+            hi = mid
+    return MaxRate(lo, sat, best, tried)
+
+
+def replicas_for(sc: Scenario, rate: float, max_replicas: int = 32) -> tuple[int | None, dict | None]:
+    """Fewest colocated replicas (behind sc's router) that meet the card at `rate`."""
+    for n in range(1, max_replicas + 1):
+        s = simulate(sc.with_topology(replicas=n, prefill=0, decode=0), rate=rate)
+        if meets(sc.card, s):
+            return n, s
+    return None, None
+
+
+def disaggregation(sc: Scenario, instances: int) -> list[tuple[Topology, MaxRate]]:
+    """The SLO-max rate of `instances` colocated replicas against every P+D split of the same instance count."""
+    out = [(replace(sc.topology, replicas=instances, prefill=0, decode=0), None)]
+    out += [(replace(sc.topology, prefill=p, decode=instances - p), None) for p in range(1, instances)]
+    return [(t, max_rate(replace(sc, topology=t))) for t, _ in out]

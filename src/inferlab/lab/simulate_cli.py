@@ -1,0 +1,389 @@
+"""`inferlab simulate`: calibrate a step-cost profile, predict a workload card's latency, goodput and capacity with
+the engine's own scheduler, and validate the prediction against the real server.
+
+  inferlab simulate calibrate engine -o profile.json [engine flags]        # profile inferlab's engine offline
+  inferlab simulate calibrate bench RUN/results.json ... -o profile.json    # black-box, from bench runs
+  inferlab simulate predict CARD --profile profile.json [--rates 0.5,1,2] [--replicas 2] [--disaggregate 2]
+  inferlab simulate validate CARD --profile profile.json --rates 0.3,0.6   # bench the real server, compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from inferlab.common.units import UnitError, format_ms, parse_bytes, parse_duration
+
+ROUTER_HELP = "round-robin | least-loaded | prefix-affinity"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    cal = sub.add_parser("calibrate", help="fit a step-cost profile").add_subparsers(dest="source", required=True,
+                                                                                    metavar="SOURCE")
+    eng = cal.add_parser("engine", help="profile inferlab's engine offline (a minute or two on a small CPU)")
+    eng.add_argument("-o", "--output", default="step-cost.json")
+    eng.add_argument("--repeats", type=int, default=1, help="passes over the profile plan after a warm-up pass")
+    from inferlab.engine.config import EngineConfig
+
+    EngineConfig.add_cli_args(eng)
+    bb = cal.add_parser("bench", help="black-box, from `inferlab bench` results.json files of any server")
+    bb.add_argument("results", nargs="+", help="results.json files: concurrency 1 with varied prompt lengths, and a "
+                                               "few higher concurrencies")
+    bb.add_argument("-o", "--output", default="step-cost.json")
+    bb.add_argument("--max-num-seqs", type=int, default=64, help="the server's running-sequence limit")
+    bb.add_argument("--max-num-batched-tokens", type=int, default=512, help="the server's step token budget")
+    bb.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None)
+    bb.add_argument("--block-size", type=int, default=16)
+    bb.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of the server's pool")
+    bb.add_argument("--max-queue", type=int, default=256, help="the server's waiting-queue bound (429 beyond)")
+    bb.add_argument("--model", default=None, help="preset, GGUF or HF folder for KV bytes per token (default bundled)")
+    bb.add_argument("--hardware", default="this machine", help="where the server ran (a preset or 'this machine')")
+
+    for name, helptext in (("predict", "predict a card's latency, goodput and capacity"),
+                           ("validate", "bench the real server at rates the calibration did not use and compare")):
+        q = sub.add_parser(name, help=helptext)
+        q.add_argument("card", help="workload card (YAML)")
+        q.add_argument("--profile", required=True, help="step-cost profile from `inferlab simulate calibrate`")
+        q.add_argument("--rates", default=None, help="requests/s to simulate, comma-separated (default: a sweep "
+                                                     "up to saturation)")
+        q.add_argument("--requests", type=int, default=400, help="measured requests per simulated point")
+        q.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default=None)
+        q.add_argument("--burstiness", type=float, default=None)
+        q.add_argument("--max-queue", type=int, default=None, help="admission limit (default: the profile's)")
+        q.add_argument("--json", default=None, help="write the predictions here")
+        if name == "validate":
+            q.add_argument("--base-url", default=None, help="a running server (default: start the card's)")
+            q.add_argument("--output-dir", default="simulate-validate", help="bench results go here")
+            continue
+        q.add_argument("--replicas", type=int, default=1)
+        q.add_argument("--router", default="least-loaded", help=ROUTER_HELP)
+        q.add_argument("--prefill", type=int, default=0, help="P prefill instances (disaggregated; with --decode)")
+        q.add_argument("--decode", type=int, default=0, help="D decode instances")
+        q.add_argument("--link-bandwidth", default="10GB", help="KV link bytes per second, e.g. 10GB (per second)")
+        q.add_argument("--link-latency", default="0ms")
+        q.add_argument("--target-rate", type=float, default=None, help="replicas needed for this many requests/s")
+        q.add_argument("--disaggregate", type=int, default=None, metavar="N",
+                       help="compare N colocated replicas against every P+D split of N instances")
+        q.add_argument("--hardware", default=None, help="scale the profile to this hardware preset (roofline)")
+        q.add_argument("--trace", default=None, help="replay a bench trace file (timestamp, input_len, output_len)")
+        q.add_argument("--trace-speeds", default="1", help="trace replay speed-ups, comma-separated")
+        q.add_argument("--no-search", action="store_true", help="skip the SLO-max rate search")
+        q.add_argument("--html", default=None, help="write an HTML page of the predictions (charts) here")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "calibrate":
+            return _calibrate(args)
+        if args.action == "predict":
+            return _predict(args)
+        return _validate(args)
+    except (ValueError, UnitError) as e:
+        print(f"inferlab simulate: error: {e}", file=sys.stderr)
+        return 2
+
+
+# --- calibrate ---------------------------------------------------------------------------------------------------
+
+def _calibrate(args) -> int:
+    from inferlab.lab.calibrate import calibrate_blackbox, calibrate_engine
+
+    command = shlex.join(["inferlab", "simulate", *sys.argv[2:]]) if len(sys.argv) > 2 else ""
+    if args.source == "engine":
+        from inferlab.engine.config import EngineConfig
+
+        cost = calibrate_engine(EngineConfig.from_cli_args(args), args.repeats, log=lambda m: print(m, file=sys.stderr))
+        cost.command = command
+    else:
+        from inferlab.lab.hardware import resolve_hardware
+        from inferlab.lab.model_presets import resolve_model
+        from inferlab.lab.simulator import EngineShape
+
+        shape = EngineShape(args.max_num_seqs, args.max_num_batched_tokens, args.max_prefill_tokens_with_decodes,
+                            args.block_size, args.num_blocks, True, args.max_queue)
+        shape.validate()
+        spec = resolve_model(args.model)
+        hw = resolve_hardware(args.hardware)
+        dtype = "bf16"
+        hardware = {"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.peak_flops(dtype)}
+        cost = calibrate_blackbox(args.results, shape, {"name": spec.name, "dtype": dtype,
+                                                        "kv_bytes_per_token": spec.kv_bytes_per_token(2)},
+                                  hardware, command)
+    path = cost.save(args.output)
+    print_profile(cost)
+    print(f"profile: {path}")
+    return 0
+
+
+def print_profile(cost) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"step-cost model ({cost.source})")
+    t.add_column("term")
+    t.add_column("coefficient", justify="right")
+    for name, unit, scale in (("intercept", "ms / step", 1e3), ("per_prefill_token", "µs / prefill token", 1e6),
+                              ("per_decode_seq", "µs / decoding sequence", 1e6),
+                              ("per_attended", "ns / (query, key) pair", 1e9),
+                              ("per_sampled_row", "µs / sampled row", 1e6),
+                              ("request_overhead", "ms / request", 1e3)):
+        t.add_row(name, f"{getattr(cost, name) * scale:.3f} {unit}")
+    q = cost.fit
+    _console().print(t)
+    if q.rows:
+        groups: dict[str, list[float]] = {}
+        for r in q.rows:
+            groups.setdefault(r["label"].split(" (")[0], []).append(r["predicted"] / r["measured"] - 1)
+        g = Table(title="residuals by measurement kind: predicted / measured - 1")
+        for col in ("measurements", "n", "median", "worst"):
+            g.add_column(col, justify="left" if col == "measurements" else "right")
+        for name, errs in groups.items():
+            errs.sort()
+            g.add_row(name, str(len(errs)), f"{errs[len(errs) // 2]:+.0%}", f"{max(errs, key=abs):+.0%}")
+        _console().print(g)
+    if q.n:
+        print(f"fit: {q.n} measurements, R² {q.r2:.4f}; relative residuals |pred-meas|/meas p50 "
+              f"{q.rel_abs_p50:.1%}, p90 {q.rel_abs_p90:.1%}, max {q.rel_abs_max:.1%}; mean signed {q.rel_mean:+.1%}"
+              + (f"; {q.outliers} left out of the fit as outliers" if q.outliers else ""))
+
+
+def _console():
+    from rich.console import Console
+
+    # A pipe or a log file gets the full table rather than 80 columns of ellipses.
+    return Console() if sys.stdout.isatty() else Console(width=180)
+
+
+# --- predict -----------------------------------------------------------------------------------------------------
+
+def _scenario(args):
+    from inferlab.lab.calibrate import shape_from
+    from inferlab.lab.capacity import Scenario
+    from inferlab.lab.card import load_card
+    from inferlab.lab.step_cost import StepCost
+
+    card = load_card(args.card)
+    cost = StepCost.load(args.profile)
+    shape = shape_from(cost.engine)
+    if args.max_queue is not None:
+        shape.max_queue = args.max_queue
+    # The card's own server config overrides the profile's scheduler settings (what it would run with).
+    for k, v in card.server.config.items():
+        k = k.replace("-", "_")
+        if hasattr(shape, k):
+            setattr(shape, k, v)
+    return Scenario(card, cost, shape, requests=args.requests, arrival=args.arrival, burstiness=args.burstiness)
+
+
+def _rates(text: str | None) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--rates {text!r}: write requests/s separated by commas, e.g. 0.5,1,2") from None
+    if any(not r > 0 for r in rates):
+        raise ValueError("--rates: every rate must be positive")
+    return rates
+
+
+def _predict(args) -> int:
+    from inferlab.lab import capacity
+    from inferlab.lab.simulator import Topology
+
+    sc = _scenario(args)
+    if args.hardware:
+        from inferlab.lab.hardware import resolve_hardware
+
+        hw = resolve_hardware(args.hardware)
+        sc = replace(sc, cost=sc.cost.scaled(hw.name, hw.bandwidth, hw.peak_flops(sc.cost.model.get("dtype", "bf16"))))
+    kvpt = float(sc.cost.model.get("kv_bytes_per_token") or 0)
+    sc.topology = Topology(args.replicas, args.router, args.prefill, args.decode, kvpt,
+                           parse_bytes(args.link_bandwidth, "--link-bandwidth"),
+                           parse_duration(args.link_latency, "--link-latency"))
+    sc.topology.validate()
+    out: dict = {"card": sc.card.name, "profile": args.profile, "cost": sc.cost.to_dict(), "engine": asdict(sc.shape),
+                 "topology": asdict(sc.topology), "assumptions": assumptions(sc)}
+    if args.trace:
+        from inferlab.lab.sim_workload import trace_requests
+
+        sc.trace = trace_requests(args.trace)
+        points = [capacity.simulate(sc, speed=float(s)) for s in args.trace_speeds.split(",")]
+    else:
+        sat = capacity.saturation(sc)
+        out["saturation_requests_per_s"] = sat
+        rates = _rates(args.rates) or [round(sat * f, 3) for f in (0.1, 0.25, 0.5, 0.7, 0.85, 1.0, 1.2)]
+        points = [capacity.simulate(sc, rate=r) for r in rates]
+    out["points"] = [_compact(sc.card, s) for s in points]
+    print_points(out["points"], f"{sc.card.name}: predicted on {sc.topology.describe()} ({sc.cost.source})")
+    if not args.no_search and not args.trace:
+        m = capacity.max_rate(sc)
+        out["max_rate"] = {"rate": m.rate, "saturation": m.saturation, "tried": m.tried,
+                           "at_max": _compact(sc.card, m.summary) if m.summary else None}
+        print(f"highest rate meeting the card's objectives on {sc.topology.describe()}: "
+              + (f"{m.rate:.3g} req/s" if m.rate else "none (even a light load misses them)")
+              + f" (saturation {m.saturation:.3g} req/s)")
+    if args.target_rate:
+        n, s = capacity.replicas_for(sc, args.target_rate)
+        out["replicas_for_target"] = {"rate": args.target_rate, "router": args.router, "replicas": n,
+                                      "at_target": _compact(sc.card, s) if s else None}
+        print(f"replicas needed for {args.target_rate:g} req/s ({args.router}): {n if n else 'more than 32'}")
+    if args.disaggregate:
+        rows = capacity.disaggregation(sc, args.disaggregate)
+        out["disaggregation"] = [{"topology": t.describe(), "max_rate": m.rate, "saturation": m.saturation,
+                                  "at_max": _compact(sc.card, m.summary) if m.summary else None} for t, m in rows]
+        print_disagg(out["disaggregation"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str), encoding="utf-8")
+        print(f"predictions: {args.json}")
+    if args.html:
+        from inferlab.lab.sim_html import write_html
+
+        print(f"html: {write_html(out, args.html)}")
+    return 0
+
+
+def assumptions(sc) -> list[str]:
+    c = sc.cost
+    return [f"step cost from {c.source} (fit residual p50 {c.fit.rel_abs_p50:.1%})" if c.fit.rel_abs_p50 is not None
+            else f"step cost from {c.source}",
+            f"scheduler: max_num_seqs {sc.shape.max_num_seqs}, max_num_batched_tokens "
+            f"{sc.shape.max_num_batched_tokens}, {sc.shape.num_blocks} KV blocks of {sc.shape.block_size}, "
+            f"max_queue {sc.shape.max_queue}",
+            "each instance on its own hardware; router and network add no delay; outputs run to their drawn length",
+            f"{sc.requests} measured requests per point, the card's seed"]
+
+
+def _compact(card, s: dict) -> dict:
+    from inferlab.lab.capacity import checks
+
+    lat = s["latency"]
+    return {"load": s["load"]["label"], "rate": s["load"].get("value"), "topology": s.get("topology"),
+            **{f"{m}_{p}": lat[m][p] for m in ("ttft", "itl", "tpot", "e2e") for p in ("p50", "p90", "p99")},
+            "requests_per_s": s["throughput"]["requests_per_s"],
+            "output_tokens_per_s": s["throughput"]["output_tokens_per_s"],
+            "goodput_share": (s["goodput"] or {}).get("share"),
+            "goodput_requests_per_s": (s["goodput"] or {}).get("requests_per_s"),
+            "error_rate": s["counts"]["error_rate"], "preemptions": s["engine"]["preemptions"],
+            "little": s["little"],
+            "meets_card": all(c.passed is True for c in checks(card, s)),
+            "checks": [asdict(c) for c in checks(card, s)]}
+
+
+def print_points(points: list[dict], title: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("load", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "TPOT p99", "E2E p99", "req/s", "tok/s",
+                "goodput", "errors", "meets card"):
+        t.add_column(col, justify="left" if col == "load" else "right")
+    for p in points:
+        t.add_row(p["load"], format_ms(p["ttft_p50"]), format_ms(p["ttft_p99"]), format_ms(p["itl_p50"]),
+                  format_ms(p["itl_p99"]), format_ms(p["tpot_p99"]), format_ms(p["e2e_p99"]),
+                  f"{p['requests_per_s']:.2f}", f"{p['output_tokens_per_s']:.1f}",
+                  "–" if p["goodput_share"] is None else f"{p['goodput_share']:.0%}", f"{p['error_rate']:.0%}",
+                  "yes" if p["meets_card"] else "no")
+    _console().print(t)
+
+
+def print_disagg(rows: list[dict]) -> None:
+    from rich.table import Table
+
+    t = Table(title="colocated vs disaggregated (same number of instances)")
+    for col in ("topology", "SLO-max rate", "saturation", "TTFT p99 at max", "ITL p99 at max"):
+        t.add_column(col)
+    for r in rows:
+        a = r["at_max"] or {}
+        t.add_row(r["topology"], "none" if r["max_rate"] is None else f"{r['max_rate']:.3g} req/s",
+                  f"{r['saturation']:.3g} req/s", format_ms(a.get("ttft_p99")), format_ms(a.get("itl_p99")))
+    _console().print(t)
+
+
+# --- validate ----------------------------------------------------------------------------------------------------
+
+VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), ("tpot", "p50"), ("tpot", "p99"),
+             ("e2e", "p50"), ("e2e", "p99"))
+
+
+def _validate(args) -> int:
+    import asyncio
+
+    from inferlab.bench.benchmark import Benchmark
+    from inferlab.bench.runner import Load
+    from inferlab.lab import capacity
+    from inferlab.lab.card import start_server, to_bench_config
+
+    sc = _scenario(args)
+    rates = _rates(args.rates)
+    if not rates:
+        raise ValueError("validate needs --rates (requests/s the calibration did not use)")
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    srv = None
+    base_url = args.base_url
+    if base_url is None:  # one server for every rate, started as the card says (as `inferlab experiment` does)
+        print(f"starting the card's server ({sc.card.server.kind}) ...", file=sys.stderr)
+        srv = start_server(sc.card.server, log_path=out_dir / "server.log")
+        base_url = srv.base_url
+    out = {"card": sc.card.name, "profile": args.profile, "base_url": base_url, "points": []}
+    try:
+        for rate in rates:
+            arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
+            cfg = to_bench_config(sc.card, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
+            cfg.loads = [Load("rate", rate, arrival, args.burstiness or 1.0)]
+            cfg.num_requests, cfg.duration = args.requests, None
+            print(f"bench at {rate:g} req/s ({args.requests} requests + {cfg.warmup} warmup) ...", file=sys.stderr)
+            outcome = asyncio.run(Benchmark(cfg).run())
+            measured = outcome.results["runs"][0]
+            # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
+            predicted = capacity.simulate(replace(sc, arrival=arrival), rate=rate)
+            point = compare(measured, predicted)
+            point.update(rate=rate, results=str(outcome.path))
+            out["points"].append(point)
+            if outcome.interrupted:
+                break
+    finally:
+        if srv is not None:
+            srv.stop()
+    print_validation(out["points"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
+    return 0
+
+
+def compare(measured: dict, predicted: dict) -> dict:
+    """Predicted against measured for every metric, with the relative error (predicted / measured - 1)."""
+    rows = []
+    for m, p in VALIDATED:
+        rows.append((f"{m} {p}", measured["latency"][m].get(p), predicted["latency"][m].get(p)))
+    for key in ("requests_per_s", "output_tokens_per_s"):
+        rows.append((key, measured["throughput"][key], predicted["throughput"][key]))
+    g_m, g_p = measured.get("goodput") or {}, predicted.get("goodput") or {}
+    rows.append(("goodput share", g_m.get("share"), g_p.get("share")))
+    return {"metrics": [{"metric": k, "measured": a, "predicted": b,
+                         "rel_error": None if a in (None, 0) or b is None else b / a - 1} for k, a, b in rows]}
+
+
+def print_validation(points: list[dict]) -> None:
+    from rich.table import Table
+
+    t = Table(title="predicted vs measured")
+    t.add_column("rate")
+    t.add_column("metric")
+    for col in ("measured", "predicted", "error"):
+        t.add_column(col, justify="right")
+    for p in points:
+        for r in p["metrics"]:
+            fmt = (lambda v: format_ms(v)) if r["metric"].split()[0] in ("ttft", "itl", "tpot", "e2e") else \
+                (lambda v: "–" if v is None else f"{v:.3g}")
+            err = "–" if r["rel_error"] is None or math.isnan(r["rel_error"]) else f"{r['rel_error']:+.0%}"
+            t.add_row(f"{p['rate']:g}", r["metric"], fmt(r["measured"]), fmt(r["predicted"]), err)
+    _console().print(t)

@@ -1,0 +1,144 @@
+"""`inferlab simulate predict` end to end on a synthetic profile, the capacity searches' answers checked by
+re-simulation, and the workload drawn as bench draws it. Model-free."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from inferlab.bench.arrivals import worker_schedules
+from inferlab.cli import main
+from inferlab.lab import capacity
+from inferlab.lab.card import load_card
+from inferlab.lab.calibrate import shape_from
+from inferlab.lab.sim_workload import card_requests
+from inferlab.lab.simulate_cli import compare
+from inferlab.lab.step_cost import StepCost
+
+CARD = """
+version: 1
+name: tiny
+contract: {endpoint: completions, streaming: true}
+traffic:
+  arrival: poisson
+  rate: 1/s
+  requests: 50
+  seed: 3
+  input_len: {dist: uniform, min: 32, max: 160}
+  output_len: 24
+objectives:
+  ttft: {p99: 400ms}
+  tpot: {p99: 60ms}
+  goodput: {min_share: 0.9}
+server: {kind: inferlab, config: {max_num_seqs: 4}}
+"""
+
+
+@pytest.fixture
+def setup(tmp_path):
+    card = tmp_path / "card.yaml"
+    card.write_text(CARD)
+    prof = StepCost(intercept=0.012, per_prefill_token=4e-4, per_decode_seq=1.5e-3, per_attended=2e-8,
+                    per_sampled_row=3e-4, request_overhead=0.002, source="synthetic",
+                    engine={"max_num_seqs": 16, "max_num_batched_tokens": 256, "block_size": 16, "num_blocks": 2000,
+                            "max_queue": 256},
+                    model={"name": "x", "dtype": "bf16", "kv_bytes_per_token": 18432},
+                    hardware={"name": "cpu", "bandwidth": 2e10, "flops": 5e11})
+    path = prof.save(tmp_path / "profile.json")
+    return card, path, tmp_path
+
+
+def test_predict_writes_points_max_rate_replicas_and_disaggregation(setup, capsys):
+    card, profile, tmp = setup
+    out = tmp / "pred.json"
+    rc = main(["simulate", "predict", str(card), "--profile", str(profile), "--rates", "1,3", "--requests", "150",
+               "--target-rate", "12", "--disaggregate", "2", "--json", str(out), "--html", str(tmp / "p.html")])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert [p["rate"] for p in d["points"]] == [1.0, 3.0]
+    assert d["engine"]["max_num_seqs"] == 4  # the card's server config beats the profile's
+    for p in d["points"]:
+        lit = p["little"]
+        assert lit["mean_in_system"] == pytest.approx(lit["arrival_rate"] * lit["mean_time_in_system"], rel=1e-9)
+    m = d["max_rate"]
+    assert 0 < m["rate"] <= m["saturation"] and m["at_max"]["meets_card"]
+    assert {r["topology"] for r in d["disaggregation"]} == {"2 replicas (least-loaded)", "1P+1D (least-loaded)"}
+    assert d["replicas_for_target"]["replicas"] >= 2
+    page = (tmp / "p.html").read_text()
+    assert page.count("<svg") == 3 and "1P+1D" in page
+    text = capsys.readouterr().out
+    assert "highest rate meeting the card's objectives" in text and "replicas needed for 12 req/s" in text
+
+
+def test_searches_answer_what_they_claim(setup):
+    card_path, profile, _ = setup
+    card = load_card(card_path)
+    cost = StepCost.load(profile)
+    shape = shape_from(cost.engine)
+    shape.max_num_seqs = 4
+    sc = capacity.Scenario(card, cost, shape, requests=150)
+    m = capacity.max_rate(sc)
+    assert capacity.meets(card, capacity.simulate(sc, rate=m.rate))
+    assert not capacity.meets(card, capacity.simulate(sc, rate=m.rate * 1.15))  # the boundary, within the search
+    n, s = capacity.replicas_for(sc, rate=2.5 * m.rate)
+    assert n >= 2 and capacity.meets(card, s)
+    assert not capacity.meets(card, capacity.simulate(sc.with_topology(replicas=n - 1), rate=2.5 * m.rate))
+
+
+def test_workload_is_benchs_draw(setup):
+    """Same seed and load point as `inferlab bench` (one worker): the same arrival times and lengths."""
+    card = load_card(setup[0])
+    reqs = card_requests(card.traffic, 50, rate=2.0, arrival="poisson", run=1)
+    bench_times = worker_schedules(2.0, "poisson", 1.0, workers=1, seed=3, run=1, n=50)[0]
+    assert np.allclose([r.arrival for r in reqs], bench_times)
+    from inferlab.bench.arrivals import STREAM_WORKLOAD, rng_for
+    from inferlab.bench.workload import LengthDist
+
+    assert [len(r.prompt_token_ids) for r in reqs] == \
+        LengthDist.parse("uniform:32,160").sample(50, rng_for(3, STREAM_WORKLOAD, 1)).tolist()
+
+
+def test_compare_reports_relative_errors():
+    def summary(ttft, rps):
+        lat = {m: {"p50": ttft, "p99": 2 * ttft} for m in ("ttft", "itl", "tpot", "e2e")}
+        return {"latency": lat, "throughput": {"requests_per_s": rps, "output_tokens_per_s": 10 * rps},
+                "goodput": {"share": 1.0}}
+
+    rows = {r["metric"]: r for r in compare(summary(0.1, 2.0), summary(0.11, 1.5))["metrics"]}
+    assert rows["ttft p50"]["rel_error"] == pytest.approx(0.1)
+    assert rows["requests_per_s"]["rel_error"] == pytest.approx(-0.25)
+    assert rows["goodput share"]["rel_error"] == 0.0
+
+
+def test_bad_input_is_named(setup, capsys):
+    card, profile, tmp = setup
+    assert main(["simulate", "predict", str(card), "--profile", str(tmp / "nope.json")]) == 2
+    assert "cannot read the step-cost profile" in capsys.readouterr().err
+    assert main(["simulate", "predict", str(card), "--profile", str(profile), "--rates", "1,x"]) == 2
+    assert "--rates '1,x'" in capsys.readouterr().err
+    assert main(["simulate", "predict", str(card), "--profile", str(profile), "--router", "random"]) == 2
+    assert "unknown router 'random'" in capsys.readouterr().err
+
+
+def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):
+    from inferlab.lab.sim_workload import trace_requests
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"timestamp": 10.0, "input_len": 40, "output_len": 5, "hash_ids": [1, 2]},
+        {"timestamp": 12.0, "input_length": 50, "output_length": 3, "hash_ids": [1, 3]},
+        {"timestamp": 11.0, "input_len": 8, "output_len": 2}]) + "\n")
+    reqs = trace_requests(path, speed=2.0, block_size=16)
+    assert [r.arrival for r in reqs] == [0.0, 0.5, 1.0]
+    assert [len(r.prompt_token_ids) for r in reqs] == [40, 8, 50] and [r.output_len for r in reqs] == [5, 2, 3]
+    assert reqs[0].prompt_token_ids[:16] == reqs[2].prompt_token_ids[:16]  # hash id 1: the same block
+    assert reqs[0].prompt_token_ids[16:32] != reqs[2].prompt_token_ids[16:32]
+    card = load_card(setup[0])
+    sc = capacity.Scenario(card, StepCost.load(setup[1]), shape_from(StepCost.load(setup[1]).engine), trace=reqs)
+    s = capacity.simulate(sc, speed=1.0)
+    assert s["counts"]["completed"] == 3 and s["load"]["kind"] == "trace"
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: needs JSON with timestamp, input_len and output_len"):
+        trace_requests(tmp_path / "bad.jsonl")

@@ -1,0 +1,56 @@
+"""The simulator against the real engine: LLMEngine on the bundled model (float32), a handful of requests added at
+fixed steps; every step's (requests, tokens each) must equal the simulator's, fed the same requests with a cost of
+one second a step. Loads the model (a few seconds); the model-free check of the same property with many more steps
+is test_simulator.py::test_reproduces_the_real_schedulers_step_sequence_exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from inferlab.engine.config import EngineConfig
+from inferlab.engine.sampling_params import SamplingParams
+from inferlab.lab.simulator import EngineShape, SimRequest, Simulation
+from inferlab.lab.step_cost import StepCost
+
+
+def test_engine_and_simulator_take_the_same_steps():
+    from inferlab.engine.llm_engine import LLMEngine
+
+    per_block = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32, 16-token blocks
+    cfg = EngineConfig(dtype="float32", max_num_seqs=3, max_num_batched_tokens=48, block_size=16,
+                       kv_cache_memory=11 * per_block, max_prefill_tokens_with_decodes=24, num_threads=1)
+    engine = LLMEngine(cfg)
+    assert engine.block_manager.num_blocks == 11
+    rng = np.random.default_rng(0)
+    shared = rng.integers(1000, 20000, 32).tolist()
+    # (step index it is added before, prompt, output tokens)
+    plan = [(0, shared + rng.integers(1000, 20000, 20).tolist(), 30),
+            (0, rng.integers(1000, 20000, 70).tolist(), 12),
+            (2, shared + rng.integers(1000, 20000, 9).tolist(), 25),
+            (3, rng.integers(1000, 20000, 5).tolist(), 40),
+            (9, rng.integers(1000, 20000, 60).tolist(), 20),
+            (10, shared + rng.integers(1000, 20000, 40).tolist(), 8)]
+    steps = []
+    original = engine.scheduler.schedule
+
+    def schedule():
+        batch = original()
+        steps.append(([s.request_id for s in batch.seqs], list(batch.num_new_tokens)))
+        return batch
+
+    engine.scheduler.schedule = schedule
+    k = 0
+    while k < 200 and (engine.has_work() or any(at >= k for at, _, _ in plan)):
+        for i, (at, prompt, out) in enumerate(plan):
+            if at == k:
+                engine.add_request(f"q{i}", prompt, SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0))
+        engine.step()
+        k += 1
+    assert engine.scheduler.num_preemptions > 0 and engine.block_manager.prefix_hits > 0  # exercised
+
+    reqs = [SimRequest(f"q{i}", at - 0.5 if at else 0.0, prompt, out) for i, (at, prompt, out) in enumerate(plan)]
+    shape = EngineShape(max_num_seqs=3, max_num_batched_tokens=48, max_prefill_tokens_with_decodes=24, block_size=16,
+                        num_blocks=11, max_queue=None)
+    run = Simulation(StepCost(intercept=1.0), shape, record_steps=True).run(reqs)
+    assert [(s.request_ids, s.num_new_tokens) for s in run.steps] == [s for s in steps if s[0]]
+    assert [s.start for s in run.steps] == list(range(len(run.steps)))  # never idle: step k is the engine's k-th

@@ -1,0 +1,214 @@
+"""The step-cost model and its calibration: both fits recover known coefficients from synthetic measurements made
+by a known cost model with noise. Model-free."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from inferlab.bench.records import RequestRecord
+from inferlab.bench.runner import Load
+from inferlab.bench.summary import summarize
+from inferlab.engine.block_manager import BlockManager
+from inferlab.engine.config import EngineConfig
+from inferlab.engine.outputs import RequestMetrics
+from inferlab.engine.scheduler import Scheduler
+from inferlab.engine.sequence import Sequence
+from inferlab.lab.calibrate import calibrate_blackbox, profile_engine
+from inferlab.lab.simulator import EngineShape, SimRequest, Simulation
+from inferlab.lab.step_cost import (COEFFICIENTS, StepCost, StepFeatures, batch_features, fit_step_cost,
+                                    nonnegative_lstsq, with_coefficients)
+
+TRUE = StepCost(intercept=0.020, per_prefill_token=4e-4, per_decode_seq=1.5e-3, per_attended=3e-7,
+                per_sampled_row=5e-4)
+
+
+def test_nonnegative_lstsq_matches_brute_force():
+    """Oracle: the best of the unconstrained fits over every subset of free variables that comes out
+    non-negative (the NNLS optimum is one of them)."""
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        a = rng.normal(size=(12, 4))
+        b = rng.normal(size=12)
+        best = (np.inf, None)
+        for k in range(5):
+            for free in itertools.combinations(range(4), k):
+                x = np.zeros(4)
+                if free:
+                    x[list(free)] = np.linalg.lstsq(a[:, list(free)], b, rcond=None)[0]
+                if (x >= -1e-12).all():
+                    best = min(best, (float(np.linalg.norm(a @ x - b)), tuple(x)), key=lambda t: t[0])
+        got = nonnegative_lstsq(a, b)
+        assert (got >= 0).all()
+        assert np.linalg.norm(a @ got - b) == pytest.approx(best[0], rel=1e-7, abs=1e-9)
+
+
+class FakeEngine:
+    """LLMEngine's step over the real Scheduler, with the model replaced by the known cost model times
+    multiplicative noise: what `profile_engine` sees of a real engine (scheduler, config, last_step_time)."""
+
+    def __init__(self, cost: StepCost, noise: float, seed: int = 0, stalls: float = 0.0):
+        self.config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256)
+        self.scheduler = Scheduler(BlockManager(2000, 16), 16, 256)
+        self.cost, self.noise, self.stalls = cost, noise, stalls
+        self.rng = np.random.default_rng(seed)
+        self.last_step_time = 0.0
+
+    def add_request(self, rid, prompt, params):
+        self.scheduler.add(Sequence(rid, prompt, params, RequestMetrics(0.0)))
+
+    def has_work(self):
+        return self.scheduler.has_work()
+
+    def step(self):
+        batch = self.scheduler.schedule()
+        self.last_step_time = self.cost.time(batch_features(batch)) * self.rng.lognormal(0, self.noise)
+        if self.rng.random() < self.stalls:  # another process took the cores: a step several times slower
+            self.last_step_time *= self.rng.uniform(3, 20)
+        sampled = {s: [7] for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens}
+        self.scheduler.update_from_output(batch, sampled)
+        for s, t in sampled.items():
+            s.token_ids.extend(t)
+            if s.num_output_tokens >= s.params.max_tokens:
+                self.scheduler.finish(s)
+
+
+def test_engine_profile_recovers_known_coefficients():
+    feats, times, labels = profile_engine(FakeEngine(TRUE, noise=0.03), repeats=2, log=lambda m: None)
+    assert len(times) > 100 and {"mixed", "prefill 16", "16 prompts of 2"} <= set(labels)
+    coef, q = fit_step_cost(feats, times, fixed_zero=("request_overhead",))
+    got = with_coefficients(coef)
+    for name in ("intercept", "per_prefill_token", "per_decode_seq", "per_attended"):
+        assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
+    # A sampled row is ~2% of a step here, less than the noise on one step: known to within a third.
+    assert got.per_sampled_row == pytest.approx(TRUE.per_sampled_row, rel=0.3)
+    assert q.rel_abs_p50 < 0.05 and q.r2 > 0.95  # residuals are the noise's size
+    # A shared machine: 10% of steps stalled 3-20x. Best-of-3 passes and the robust refit still recover them.
+    feats, times, _ = profile_engine(FakeEngine(TRUE, noise=0.03, seed=4, stalls=0.10), repeats=3, log=lambda m: None)
+    coef, q = fit_step_cost(feats, times, robust=True)
+    for name, v in zip(COEFFICIENTS[:5], coef):
+        assert v == pytest.approx(getattr(TRUE, name), rel=0.3 if name == "per_sampled_row" else 0.15), name
+    # Noise-free, the fit is exact.
+    feats, times, _ = profile_engine(FakeEngine(TRUE, noise=0.0), repeats=1, log=lambda m: None)
+    coef, q = fit_step_cost(feats, times)
+    assert np.allclose(coef, TRUE.coefficients(), rtol=1e-6) and q.rel_abs_max < 1e-9
+
+
+def test_robust_fit_sets_stalled_steps_aside():
+    feats, times, _ = profile_engine(FakeEngine(TRUE, noise=0.0), repeats=1, log=lambda m: None)
+    rng = np.random.default_rng(9)
+    stalled = rng.random(len(times)) < 0.1
+    times = [t * (rng.uniform(3, 20) if s else 1.0) for t, s in zip(times, stalled)]
+    coef, q = fit_step_cost(feats, times, robust=True)
+    assert np.allclose(coef, TRUE.coefficients(), rtol=1e-6) and q.outliers == stalled.sum()
+    plain, _ = fit_step_cost(feats, times)
+    assert not np.allclose(plain, TRUE.coefficients(), rtol=0.01)  # the stalls bias a plain fit
+
+
+@dataclass(slots=True)
+class NoisyCost(StepCost):
+    noise: float = 0.0
+    seed: int = 0
+
+    def step_time(self, batch) -> float:
+        rng = _RNG.setdefault(self.seed, np.random.default_rng(self.seed))
+        return self.time(batch_features(batch)) * float(rng.lognormal(0, self.noise))
+
+
+_RNG: dict[int, np.random.Generator] = {}
+
+
+def write_bench_results(path, runs: list[tuple[Load, list[SimRequest], int | None]], cost: StepCost,
+                        shape: EngineShape):
+    """Bench's results.json and records.jsonl for runs simulated with a known cost: records as a client would
+    have written them (one chunk per token, times on the run's clock), summaries by bench's own summarize()."""
+    path.mkdir(parents=True)
+    summaries, lines = [], []
+    for i, (load, reqs, users) in enumerate(runs):
+        run = Simulation(cost, shape).run(reqs, users=users)
+        recs = [RequestRecord(index=k, run=i, sent=o.arrival, end=o.finish, chunk_times=list(o.token_times),
+                              chunk_tokens=[1] * len(o.token_times), input_len=o.prompt_len, output_len=o.output_len,
+                              prompt_tokens=o.prompt_len, output_tokens=len(o.token_times), finish_reason="length")
+                for k, o in enumerate(run.outcomes)]
+        s = summarize(recs, load=load.to_dict())
+        s["run"] = i
+        summaries.append(s)
+        lines += [r.to_json() for r in recs]
+    (path / "records.jsonl").write_text("\n".join(lines) + "\n")
+    (path / "results.json").write_text(json.dumps({"schema": "inferlab.bench.results/1", "runs": summaries,
+                                                   "records": "records.jsonl"}))
+    return path / "results.json"
+
+
+def test_blackbox_calibration_recovers_known_coefficients(tmp_path):
+    """Bench runs of a server whose steps follow a known model (plus 3% noise and a 5 ms request overhead):
+    one stream over prompt lengths 16..700 (some chunked), then concurrency 2, 4, 8, 16."""
+    true = StepCost(intercept=0.020, per_prefill_token=4e-4, per_decode_seq=1.5e-3, per_attended=3e-7,
+                    request_overhead=0.005)
+    cost = NoisyCost(**{c: getattr(true, c) for c in COEFFICIENTS}, noise=0.03, seed=1)
+    shape = EngineShape(max_num_seqs=16, max_num_batched_tokens=512, num_blocks=4000)
+    rng = np.random.default_rng(2)
+    one = [SimRequest(f"a{i}", 0.0, rng.integers(1000, 30000, int(p)).tolist(), 16)
+           for i, p in enumerate(rng.integers(16, 700, 40))]
+    runs = [(Load("concurrency", 1), one, 1)]
+    for c in (2, 4, 8, 16):
+        reqs = [SimRequest(f"c{c}-{i}", 0.0, rng.integers(1000, 30000, 128).tolist(), 64) for i in range(6 * c)]
+        runs.append((Load("concurrency", c), reqs, c))
+    results = write_bench_results(tmp_path / "bench", runs, cost, shape)
+    got = calibrate_blackbox([results], shape, model={}, hardware={})
+    assert got.per_sampled_row == 0.0  # folded into per_decode_seq: not identifiable from outside
+    assert got.intercept == pytest.approx(true.intercept, rel=0.15)
+    assert got.per_prefill_token == pytest.approx(true.per_prefill_token, rel=0.15)
+    assert got.per_decode_seq == pytest.approx(true.per_decode_seq, rel=0.15)
+    assert got.request_overhead == pytest.approx(true.request_overhead, abs=0.003)
+    # The attention term is small next to the others here; it must at least be of the right order.
+    assert 0.3 * true.per_attended < got.per_attended < 3 * true.per_attended
+    assert got.fit.n > 80 and got.fit.rel_abs_p50 < 0.06
+    assert any("itl p50" in r["label"] for r in got.fit.rows) and any("throughput" in r["label"] for r in got.fit.rows)
+
+
+def test_profile_file_round_trip_and_errors(tmp_path):
+    c = StepCost(intercept=0.01, per_decode_seq=1e-3, source="engine profile", engine={"max_num_seqs": 4},
+                 hardware={"name": "cpu", "bandwidth": 1e10, "flops": 1e12})
+    c.fit.n = 3
+    back = StepCost.load(c.save(tmp_path / "p.json"))
+    assert back == c
+    (tmp_path / "bad.json").write_text(json.dumps({"intercept": -1}))
+    with pytest.raises(ValueError, match="intercept must be a non-negative"):
+        StepCost.load(tmp_path / "bad.json")
+    (tmp_path / "typo.json").write_text(json.dumps({"intercpt": 1}))
+    with pytest.raises(ValueError, match="unknown field.*intercpt"):
+        StepCost.load(tmp_path / "typo.json")
+    with pytest.raises(ValueError, match="cannot read the step-cost profile"):
+        StepCost.load(tmp_path / "missing.json")
+
+
+def test_scaling_to_other_hardware_follows_the_roofline_terms():
+    c = StepCost(intercept=0.01, per_prefill_token=1e-4, per_decode_seq=1e-3, per_attended=1e-8,
+                 per_sampled_row=1e-4, request_overhead=0.002, hardware={"name": "a", "bandwidth": 1e11, "flops": 1e13})
+    s = c.scaled("b", bandwidth=4e11, flops=1e14)
+    assert s.intercept == pytest.approx(0.0025) and s.per_attended == pytest.approx(2.5e-9)  # memory: /4
+    assert s.per_prefill_token == pytest.approx(1e-5) and s.per_decode_seq == pytest.approx(1e-4)  # compute: /10
+    assert s.request_overhead == 0.002 and s.hardware["name"] == "b"
+    with pytest.raises(ValueError, match="does not record its hardware"):
+        StepCost().scaled("b", 1.0, 1.0)
+
+
+def test_features_of_a_step():
+    """Prefill of 10 after 6 cached: 10 x (6 + 5.5) query-key pairs; a decode at 20 tokens attends 20."""
+    bm = BlockManager(100, 4)
+    sched = Scheduler(bm, 8, 64)
+    a = Sequence("a", list(range(1000, 1020)), __import__("inferlab.engine.sampling_params",
+                                                            fromlist=["SamplingParams"]).SamplingParams(),
+                 RequestMetrics(0.0))
+    sched.add(a)
+    batch = sched.schedule()
+    f = batch_features(batch)
+    assert f == StepFeatures(1, 20, 0, 20 * 10.5, 1)
+    sched.update_from_output(batch, {a: [7]})
+    a.token_ids.append(7)
+    assert batch_features(sched.schedule()) == StepFeatures(1, 0, 1, 21, 1)
