@@ -121,9 +121,11 @@ def test_max_concurrency_is_the_boundary():
     n = fit(spec, H100, req).max_concurrency
     assert fit(spec, H100, FitRequest(context=8192, concurrency=n)).fits
     assert not fit(spec, H100, FitRequest(context=8192, concurrency=n + 1)).fits
-    ctx = fit(spec, H100, FitRequest(context=16, concurrency=32)).max_context
-    assert fit(spec, H100, FitRequest(context=ctx, concurrency=32)).fits
-    assert not fit(spec, H100, FitRequest(context=ctx + 16, concurrency=32)).fits
+    # At 64 sequences memory, not the model's 8,192 positions, bounds the context.
+    ctx = fit(spec, H100, FitRequest(context=16, concurrency=64)).max_context
+    assert 0 < ctx < spec.max_position_embeddings
+    assert fit(spec, H100, FitRequest(context=ctx, concurrency=64)).fits
+    assert not fit(spec, H100, FitRequest(context=ctx + 16, concurrency=64)).fits
 
 
 def test_big_model_fits_only_where_it_should():
@@ -251,3 +253,36 @@ def test_probe_measures_this_machine(monkeypatch):
     assert hw.bandwidth > 0 and hw.flops["bf16"] > 0 and hw.flops["fp32"] > 0 and hw.memory_bytes > 0
     r = fit(ModelSpec("tiny", 1000, 64, 128, 2, 4, 2, 16, 512, True), hw, FitRequest(context=256))
     assert r.fits and r.hardware_measured
+
+
+# Totals of each model's safetensors (model card / index metadata); Gemma-3-4B counts its text model only.
+@pytest.mark.parametrize("name, published", [
+    ("Llama-3.1-8B", 8_030_261_248), ("Llama-3.2-1B", 1_235_814_400), ("Llama-3.2-3B", 3_212_749_824),
+    ("Qwen2.5-0.5B", 494_032_768), ("Qwen2.5-1.5B", 1_543_714_304), ("Qwen3-0.6B", 596_049_920),
+    ("Qwen3-8B", 8_190_735_360), ("Gemma-3-270M", 268_098_176), ("Gemma-3-1B", 999_885_952),
+    ("Mistral-7B", 7_241_732_096),
+])
+def test_family_preset_param_counts_are_the_published_totals(name, published):
+    assert MODEL_PRESETS[name].num_params == published
+
+
+def test_every_context_figure_is_capped_at_the_models_maximum():
+    spec = resolve_model(None)  # SmolLM2-135M: 8,192 positions; an H100 holds millions of its tokens
+    assert spec.max_position_embeddings == 8192
+    r = fit(spec, H100, FitRequest(context=2048, concurrency=1))
+    assert r.max_context == 8192
+    r = fit(MODEL_PRESETS["Llama-3-70B"], H100, FitRequest(context=2048, concurrency=64, quantization="int4"))
+    assert 0 < r.max_context < 8192  # a budget-bound figure is not raised to the cap
+
+
+def test_sliding_window_layers_hold_at_most_their_window():
+    g = MODEL_PRESETS["Gemma-3-270M"]  # 3 global + 15 local (512) layers; 1 KV head of 256: 1 KiB per layer-token
+    per_layer_token = 2 * 1 * 256 * 2
+    assert g.kv_bytes_per_seq(32768, 2) == (3 * 32768 + 15 * 512) * per_layer_token
+    assert g.kv_bytes_per_seq(300, 2) == 18 * 300 * per_layer_token  # within the window every layer holds all
+    m = MODEL_PRESETS["Mistral-7B"]  # every layer windowed at 4096: KV stops growing there
+    assert m.kv_bytes_per_seq(32768, 2) == m.kv_bytes_per_seq(4096, 2) == 4096 * m.kv_bytes_per_token(2)
+    r = fit(m, H100, FitRequest(context=32768, concurrency=8, block_size=16))
+    assert r.kv_bytes == 8 * 4096 * m.kv_bytes_per_token(2)
+    assert r.max_context == 32768  # the window bounds the KV, so only the model's limit bounds the context
+    assert r.decode[-1].kv_bytes_read == 8 * 4096 * m.kv_bytes_per_token(2)

@@ -207,8 +207,8 @@ def _matmul_params_per_token(spec: ModelSpec) -> int:
 class _Model:
     """The byte and FLOP counts of one config, shared by the fit and the roofline."""
 
-    def __init__(self, spec: ModelSpec, w: WeightMemory, kv_bytes_per_token: float, float_bytes: int):
-        self.spec, self.w, self.kvpt = spec, w, kv_bytes_per_token
+    def __init__(self, spec: ModelSpec, w: WeightMemory, kv_dtype_bytes: float, float_bytes: int):
+        self.spec, self.w, self.kv_dtype_bytes = spec, w, kv_dtype_bytes
         # Bytes of one expert's linears at the selected scheme (scales included, pro rata).
         self.expert_bytes = w.linear_bytes * spec.expert_params / max(1, spec.quantizable_params)
         # An untied embedding table is not read by decode: each step looks up one row per sequence.
@@ -222,11 +222,15 @@ class _Model:
     def decode_flops(self, batch: int, context: int) -> float:
         s = self.spec
         # Attention of one new token over `context` cached ones: q·K and p·V, 2 FLOPs per multiply-add each.
-        attn = 4 * s.num_layers * s.num_heads * s.head_dim * context
+        attn = 4 * s.num_heads * s.head_dim * s.kv_layer_tokens(context)
         return batch * (2 * _matmul_params_per_token(s) + attn)
 
     def decode_bytes(self, batch: int, context: int) -> float:
-        return self.weight_bytes_read(batch) + batch * context * self.kvpt
+        return self.weight_bytes_read(batch) + batch * self.kv_bytes(context)
+
+    def kv_bytes(self, context: int) -> float:
+        """KV bytes one sequence's decode step reads."""
+        return self.spec.kv_bytes_per_seq(context, self.kv_dtype_bytes)
 
     def prefill_flops(self, tokens: int) -> float:
         s = self.spec
@@ -238,7 +242,7 @@ class _Model:
 
 
 def _decode_point(m: _Model, hw: Hardware, peak: float, batch: int, context: int) -> DecodeRoofline:
-    wb, kvb = m.weight_bytes_read(batch), batch * context * m.kvpt
+    wb, kvb = m.weight_bytes_read(batch), batch * m.kv_bytes(context)
     flops = m.decode_flops(batch, context)
     mem_ms, comp_ms = (wb + kvb) / hw.bandwidth * 1e3, flops / peak * 1e3
     step = max(mem_ms, comp_ms)
@@ -265,6 +269,25 @@ def compute_bound_batch(m: _Model, balance: float, context: int, limit: int = 2*
     return hi
 
 
+def _max_context(spec: ModelSpec, kv_dtype_bytes: float, room: float, concurrency: int, block_size: int) -> int:
+    """Largest multiple of block_size, at most the model's maximum context, whose KV for `concurrency` sequences
+    fits in `room` bytes (KV per sequence grows monotonically with the context: a binary search)."""
+    limit = spec.max_position_embeddings // block_size
+
+    def fits(blocks: int) -> bool:
+        return spec.kv_bytes_per_seq(blocks * block_size, kv_dtype_bytes) * concurrency <= room
+
+    if not fits(0):
+        return 0
+    lo, hi = 0, limit  # fits(lo) holds
+    if fits(hi):
+        return limit * block_size
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * block_size
+
+
 def activation_bytes(spec: ModelSpec, req: FitRequest) -> int:
     """An estimate of the transient peak of one step: the live tensors of one layer for the widest step (residual,
     normed input, q/k/v, gate and up projections of the experts each token uses) plus fp32 logits for every running
@@ -282,9 +305,11 @@ def fit(spec: ModelSpec, hw: Hardware, req: FitRequest | None = None) -> FitRepo
     weights = {q: weight_memory(spec, quant_scheme(q, req.dtype, req.quant_group_size), req.dtype) for q in QUANTIZATIONS}
     w = weights[req.quantization]
     kv_dtype = req.kv_dtype or req.dtype
-    kvpt = spec.kv_bytes_per_token(DTYPE_BYTES[kv_dtype])
+    kv_db = DTYPE_BYTES[kv_dtype]
+    kvpt = spec.kv_bytes_per_token(kv_db)
     kv_tokens = math.ceil(req.context / req.block_size) * req.block_size
-    kv_bytes = kvpt * kv_tokens * req.concurrency
+    kv_seq = spec.kv_bytes_per_seq(kv_tokens, kv_db)  # sliding-window layers hold at most their window
+    kv_bytes = kv_seq * req.concurrency
     act = activation_bytes(spec, req)
     reserve = req.reserve_frac * hw.memory_bytes
     budget = hw.memory_bytes - reserve
@@ -294,13 +319,19 @@ def fit(spec: ModelSpec, hw: Hardware, req: FitRequest | None = None) -> FitRepo
     # Concurrency and context the budget allows: logits grow with sequences too, so solve for both terms.
     act_fixed = act - req.concurrency * spec.vocab_size * 4
     room = budget - w.total - act_fixed
-    max_conc = max(0, int(room // (kvpt * kv_tokens + spec.vocab_size * 4)))
-    room_ctx = budget - w.total - act
-    max_ctx = max(0, int(room_ctx // (kvpt * req.concurrency)) // req.block_size * req.block_size)
+    max_conc = max(0, int(room // (kv_seq + spec.vocab_size * 4)))
+    # The longest context (whole blocks) whose KV for every sequence fits, never past what the model supports.
+    max_ctx = _max_context(spec, kv_db, budget - w.total - act, req.concurrency, req.block_size)
 
     if req.context > spec.max_position_embeddings:
         notes.append(
             f"context {req.context} exceeds the model's max_position_embeddings ({spec.max_position_embeddings})"
+        )
+    if spec.sliding_window:
+        notes.append(
+            f"{spec.sliding_layers} of {spec.num_layers} layers attend within a {spec.sliding_window}-token window: "
+            f"their KV is counted at most the window (an engine that frees blocks out of the window; inferlab's "
+            f"engine masks them but keeps them allocated)"
         )
     if spec.is_moe:
         notes.append(
@@ -312,13 +343,13 @@ def fit(spec: ModelSpec, hw: Hardware, req: FitRequest | None = None) -> FitRepo
 
     peak = hw.peak_flops(req.dtype)
     balance = peak / hw.bandwidth
-    m = _Model(spec, w, kvpt, DTYPE_BYTES[req.dtype])
+    m = _Model(spec, w, kv_db, DTYPE_BYTES[req.dtype])
     batches = sorted({1, req.concurrency})
     decode = [_decode_point(m, hw, peak, b, req.context) for b in batches]
     p_tokens = req.prompt_len or req.context
     p_flops = m.prefill_flops(p_tokens)
     p_comp = p_flops / peak * 1e3
-    p_bytes = m.weight_bytes_read(p_tokens) + p_tokens * kvpt
+    p_bytes = m.weight_bytes_read(p_tokens) + spec.kv_bytes_per_seq(p_tokens, kv_db)
     p_mem = p_bytes / hw.bandwidth * 1e3
     prefill = PrefillRoofline(p_tokens, p_bytes, p_flops, p_comp, p_mem, max(p_comp, p_mem),
                               "compute" if p_comp >= p_mem else "memory")

@@ -30,6 +30,12 @@ class ModelSpec:
     num_experts: int = 1  # 1 = a dense MLP
     num_experts_per_tok: int = 1
     qkv_bias: bool = False  # Qwen2 has biases on q, k and v
+    qk_norm: bool = False  # Qwen3 and Gemma 3: an RMSNorm of head_dim weights on Q and on K
+    norms_per_layer: int = 2  # Gemma 3 also normalises after attention and after the MLP: 4
+    # Layers that attend only to the last `sliding_window` tokens (Mistral-7B-v0.1: all; Gemma 3: five in six);
+    # a KV cache that drops what falls out of the window holds at most that many tokens for them.
+    sliding_window: int | None = None
+    sliding_layers: int = 0
     source: str = ""
 
     @property
@@ -51,7 +57,8 @@ class ModelSpec:
     def small_params_per_layer(self) -> int:  # two RMSNorm weights, q/k/v biases, the router
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
         router = self.hidden_size * self.num_experts if self.is_moe else 0
-        return 2 * self.hidden_size + bias + router
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return self.norms_per_layer * self.hidden_size + bias + router + qk_norm
 
     @property
     def embedding_params(self) -> int:
@@ -84,7 +91,17 @@ class ModelSpec:
         return self.num_layers * (attn + mlp) + (self.vocab_size if not self.tie_word_embeddings else 0)
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """Of a context every layer attends to in full (sliding-window layers hold less: kv_bytes_per_seq)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def kv_layer_tokens(self, context: int) -> int:
+        """Cached tokens summed over layers for one sequence of `context` tokens (what attention reads, too)."""
+        if not self.sliding_window:
+            return self.num_layers * context
+        return (self.num_layers - self.sliding_layers) * context + self.sliding_layers * min(context, self.sliding_window)
+
+    def kv_bytes_per_seq(self, context: int, dtype_bytes: float) -> float:
+        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes * self.kv_layer_tokens(context)
 
     @classmethod
     def from_model_config(cls, cfg, source: str = "") -> "ModelSpec":
@@ -92,7 +109,9 @@ class ModelSpec:
             name=cfg.name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-            tie_word_embeddings=cfg.tie_word_embeddings, source=source,
+            tie_word_embeddings=cfg.tie_word_embeddings, qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm,
+            sliding_window=cfg.sliding_window, sliding_layers=cfg.num_layers if cfg.sliding_window else 0,
+            source=source,
         )
 
     @classmethod
@@ -134,6 +153,44 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                   num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
                   tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
                   source=_HF.format("mistralai/Mixtral-8x7B-v0.1")),
+        ModelSpec("Llama-3.1-8B", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                  num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+                  tie_word_embeddings=False, source=_HF.format("meta-llama/Llama-3.1-8B")),
+        ModelSpec("Llama-3.2-1B", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                  num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+                  tie_word_embeddings=True, source=_HF.format("meta-llama/Llama-3.2-1B")),
+        ModelSpec("Llama-3.2-3B", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
+                  num_heads=24, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+                  tie_word_embeddings=True, source=_HF.format("meta-llama/Llama-3.2-3B")),
+        ModelSpec("Qwen2.5-0.5B", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                  num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
+                  tie_word_embeddings=True, qkv_bias=True, source=_HF.format("Qwen/Qwen2.5-0.5B")),
+        ModelSpec("Qwen2.5-1.5B", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                  num_heads=12, num_kv_heads=2, head_dim=128, max_position_embeddings=131072,
+                  tie_word_embeddings=True, qkv_bias=True, source=_HF.format("Qwen/Qwen2.5-1.5B")),
+        ModelSpec("Qwen3-0.6B", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                  num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+                  tie_word_embeddings=True, qk_norm=True, source=_HF.format("Qwen/Qwen3-0.6B")),
+        ModelSpec("Qwen3-8B", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                  num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960,
+                  tie_word_embeddings=False, qk_norm=True, source=_HF.format("Qwen/Qwen3-8B")),
+        # Gemma 3: every sixth layer global, the rest local (sliding window); four norms per layer and QK-norm.
+        ModelSpec("Gemma-3-270M", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
+                  num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+                  tie_word_embeddings=True, qk_norm=True, norms_per_layer=4, sliding_window=512, sliding_layers=15,
+                  source=_HF.format("google/gemma-3-270m")),
+        ModelSpec("Gemma-3-1B", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+                  num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+                  tie_word_embeddings=True, qk_norm=True, norms_per_layer=4, sliding_window=512, sliding_layers=22,
+                  source=_HF.format("google/gemma-3-1b-pt")),
+        ModelSpec("Gemma-3-4B", vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_layers=34,
+                  num_heads=8, num_kv_heads=4, head_dim=256, max_position_embeddings=131072,
+                  tie_word_embeddings=True, qk_norm=True, norms_per_layer=4, sliding_window=1024, sliding_layers=29,
+                  source=_HF.format("google/gemma-3-4b-pt") + " (text_config; the vision tower is not counted)"),
+        ModelSpec("Mistral-7B", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                  num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+                  tie_word_embeddings=False, sliding_window=4096, sliding_layers=32,
+                  source=_HF.format("mistralai/Mistral-7B-v0.1")),
         # The generic "7B" is Llama-2-7B's shape (multi-head attention, no GQA): the model behind the rule of thumb
         # "7B: ~14 GB in FP16, ~7 GB in INT8, ~3.5 GB in INT4".
         ModelSpec("7B", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,

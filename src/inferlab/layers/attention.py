@@ -29,6 +29,8 @@ class AttentionGroup:
     # Rows of a layer's pool viewed as [kv_heads * num_blocks, block_size * dim], made by the first layer that
     # gathers and reused by the rest: (kv_heads, num_blocks, index).
     gather_rows: tuple[int, int, torch.Tensor] | None = None
+    # `mask` narrowed to a sliding window, made by the first windowed layer and reused by the rest: (window, mask).
+    window_mask: tuple[int, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -52,9 +54,12 @@ class PagedAttention(nn.Module):
     (Blocks outermost needed a transposing copy after every gather; measured, that and torch's SDPA decode kernel
     with one query row made decode attention 3-10x slower.)"""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # A query at position p attends to keys p - window + 1 .. p (transformers' sliding-window mask). Blocks
+        # out of every window stay allocated: the window narrows the masks, not the pool.
+        self.sliding_window = sliding_window
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         # Bound to this layer's slice of the pool by allocate_kv_cache: [kv_heads, num_blocks, block_size, head_dim].
@@ -77,9 +82,14 @@ class PagedAttention(nn.Module):
             v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_flat.dtype))
 
         if meta.causal_only:
+            w = self.sliding_window
+            mask = None
+            if w is not None and T > w:
+                i = torch.arange(T, device=q.device)
+                mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                is_causal=True, scale=self.scale, enable_gqa=True,
+                attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
             )
             return o.squeeze(0).transpose(0, 1).reshape(T, -1)
 
@@ -91,8 +101,8 @@ class PagedAttention(nn.Module):
             g = meta.extend
             qp = q[d:][g.q_index].transpose(1, 2)  # [B, heads, max_q, dim]
             k_past, v_past = self._gather(g)
-            o = F.scaled_dot_product_attention(qp, k_past.transpose(0, 1), v_past.transpose(0, 1), attn_mask=g.mask,
-                                               scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, k_past.transpose(0, 1), v_past.transpose(0, 1),
+                                               attn_mask=self._mask(g), scale=self.scale, enable_gqa=True)
             out[d:] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[g.out_index]
         return out.view(T, -1)
 
@@ -109,10 +119,25 @@ class PagedAttention(nn.Module):
         return (self.k_cache.view(H * N, bs * dim).index_select(0, rows).view(shape),
                 self.v_cache.view(H * N, bs * dim).index_select(0, rows).view(shape))
 
+    def _mask(self, g: AttentionGroup) -> torch.Tensor:
+        """The group's causal mask, narrowed to the sliding window where there is one."""
+        w = self.sliding_window
+        if w is None or g.mask.shape[-1] <= w:
+            return g.mask
+        if g.window_mask is None or g.window_mask[0] != w:
+            # Keys 0..p are allowed for a query at position p, so p = (allowed keys) - 1.
+            pos = g.mask.sum(-1, keepdim=True) - 1
+            key = torch.arange(g.mask.shape[-1], device=g.mask.device)
+            g.window_mask = (w, g.mask & (key > pos - w))
+        return g.window_mask[1]
+
     def _decode(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         """One query per sequence."""
         B = q.shape[0]
         kernels = kernels_for(q, self.k_cache) if g.context_lens is not None else None
+        if kernels is not None and self.sliding_window is not None \
+                and int(g.context_lens.max()) > self.sliding_window:
+            kernels = None  # the C++ kernel attends to the whole context: past the window, the masked torch path
         if kernels is not None:
             return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, g.block_tables, g.context_lens,
                                                   self.scale)
@@ -120,7 +145,7 @@ class PagedAttention(nn.Module):
         # ([kv_heads, B, group, dim]), so grouped-query attention is a plain batched matmul with no K/V expansion.
         k, v = self._gather(g)
         qg = q.view(B, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).to(k.dtype)
-        mask = g.mask.view(1, B, 1, -1)  # [B, 1, 1, L] -> broadcast over heads and the group's rows
+        mask = self._mask(g).view(1, B, 1, -1)  # [B, 1, 1, L] -> broadcast over heads and the group's rows
         if B <= SDPA_MAX_DECODE_BATCH:
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
         else:

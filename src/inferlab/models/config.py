@@ -9,7 +9,13 @@ from pathlib import Path
 
 from inferlab.common.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# Hugging Face names (config.json `architectures`, then `model_type`) -> inferlab's family name (GGUF's
+# general.architecture; llama.cpp's converter writes Mistral as "llama", without a sliding window).
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+}
 
 
 @dataclass(slots=True)
@@ -28,11 +34,18 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     eos_token_id: int | None = None
     name: str = ""
+    attention_bias: bool = False  # biases on the Q/K/V projections (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on Q and K before rotary (Qwen3)
+    sliding_window: int | None = None  # each token attends to itself and the window - 1 tokens before it (Mistral)
 
     @property
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * self.num_heads * self.head_dim * 2 + h * self.num_kv_heads * self.head_dim * 2
+        if self.attention_bias:
+            attn += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         per_layer = attn + 3 * h * i + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
@@ -109,6 +122,7 @@ def _from_gguf(path: Path) -> ModelConfig:
 
     hidden, heads = g("embedding_length"), g("attention.head_count")
     vocab = g("vocab_size") or meta["_vocab_size"]
+    window = g("attention.sliding_window")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -124,13 +138,19 @@ def _from_gguf(path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in meta["_tensor_names"],
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         name=meta.get("general.name", path.stem),
+        attention_bias="blk.0.attn_q.bias" in meta["_tensor_names"],
+        qk_norm="blk.0.attn_q_norm.weight" in meta["_tensor_names"],
+        sliding_window=int(window) if window else None,
     )
 
 
 def _from_hf(path: Path) -> ModelConfig:
     cfg = json.loads((path / "config.json").read_text())
-    model_type = cfg.get("model_type", "?")
+    names = [*(cfg.get("architectures") or []), cfg.get("model_type", "?")]
+    model_type = next((HF_ARCHITECTURES[n] for n in names if n in HF_ARCHITECTURES), names[-1])
     _check_arch(model_type, path)
+    # Qwen2/3 configs carry a sliding_window that applies only with use_sliding_window (never, in released models).
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     return ModelConfig(
@@ -148,4 +168,7 @@ def _from_hf(path: Path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         name=path.name,
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),  # Qwen2 always has them
+        qk_norm=model_type == "qwen3",
+        sliding_window=int(window) if window else None,
     )

@@ -10,6 +10,11 @@ and by test: it calls the same kernels in the same order, each projection descri
 KernelLinear.plan_linear (layers/packed_linear.py) as a PlanLinear whose kind is a kernels.ProjKind, and
 tests/models/test_decode_plan.py checks that greedy generations are token-identical with the plan and without it.
 A change to the layers' kernel path must be made on both sides.
+
+The same classes serve the families whose layers are Llama's with options from the config: Qwen2 (biases on the
+Q/K/V projection) and Mistral (a sliding attention window, applied by PagedAttention); Qwen3 adds its QK-norm in
+models/qwen3.py. The C++ plan implements none of these options: where a layer has one, build_decode_plan declines
+(a windowed model keeps it for steps whose every context fits the window), and the Python layers run decode.
 """
 
 from __future__ import annotations
@@ -27,18 +32,25 @@ from inferlab.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
+    # Whether kernels/decode_layers.cpp computes this attention (with a bias-free qkv_proj and no window).
+    decode_plan_ok = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+
+    def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> [T, q_size + 2 * kv_size], Q/K before rotary (Qwen3 normalises them here)."""
+        return self.qkv_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.project_qkv(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         a = self.attn
         kernels = kernels_for(qkv, a.k_cache, cos)
@@ -71,10 +83,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention: type[LlamaAttention] = LlamaAttention):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
@@ -86,10 +98,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, attention: type[LlamaAttention] = LlamaAttention):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, attention) for _ in range(cfg.num_layers))
+        self.sliding_window = cfg.sliding_window
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.decode_plan = None  # see build_decode_plan
@@ -101,7 +114,8 @@ class LlamaModel(nn.Module):
         g = meta.decode
         if (self.decode_plan is not None and num_layers is None and meta.extend is None and g is not None
                 and x.shape[0] == meta.num_decode_tokens == meta.slot_mapping.shape[0] <= self.decode_plan_max_tokens
-                and g.context_lens is not None):
+                and g.context_lens is not None
+                and (self.sliding_window is None or int(g.context_lens.max()) <= self.sliding_window)):
             x, residual = cpu_kernels().decode_layers(self.decode_plan, x, cos, sin, meta.slot_mapping,
                                                       g.block_tables, g.context_lens)
         else:
@@ -128,6 +142,8 @@ class LlamaModel(nn.Module):
         layers, max_tokens = [], 1 << 62
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
+            if not a.decode_plan_ok or getattr(a.qkv_proj, "bias", None) is not None:
+                return False
             projs = [m.plan_linear() if isinstance(m, KernelLinear) else None
                      for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
@@ -161,10 +177,12 @@ def batch_invariant_rows(n: int) -> int:
 
 
 class LlamaForCausalLM(nn.Module):
+    attention: type[LlamaAttention] = LlamaAttention  # the family's attention (models/qwen3.py overrides it)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, self.attention)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -14,6 +14,7 @@ import torch
 from inferlab.common.errors import ModelLoadError
 from inferlab.layers.rotary import RotaryEmbedding
 from inferlab.models.config import ModelConfig, open_gguf, read_model_config, resolve_model_path
+from inferlab.models.families import model_class
 from inferlab.models.llama import LlamaForCausalLM
 from inferlab.quant import RawGGUFWeight, quantize_model
 
@@ -71,12 +72,22 @@ def _load_gguf(path: Path, cfg: ModelConfig,
     elif keep_raw:
         t = tensors["token_embd.weight"]
         raw["lm_head"] = RawGGUFWeight(t.tensor_type.name, raw_rows(t.name), (cfg.vocab_size, cfg.hidden_size))
+    # llama.cpp's converter permutes Q/K rows for the llama architecture only (its Qwen2/Qwen3 converters do not;
+    # transformers' GGUF reader undoes it for llama alone too).
+    hq, hk = (cfg.num_heads, cfg.num_kv_heads) if cfg.architecture == "llama" else (None, None)
     for i in range(cfg.num_layers):
         b, p = f"blk.{i}.", f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = torch.from_numpy(floats(b + "attn_norm.weight").copy())
         sd[p + "post_attention_layernorm.weight"] = torch.from_numpy(floats(b + "ffn_norm.weight").copy())
         fused(p + "self_attn.qkv_proj",
-              [(b + "attn_q.weight", cfg.num_heads), (b + "attn_k.weight", cfg.num_kv_heads), (b + "attn_v.weight", None)])
+              [(b + "attn_q.weight", hq), (b + "attn_k.weight", hk), (b + "attn_v.weight", None)])
+        if cfg.attention_bias:
+            bias = [floats(b + f"attn_{n}.bias") for n in "qkv"]
+            bias = [_unpermute(x, h) if h else x for x, h in zip(bias, (hq, hk, None))]
+            sd[p + "self_attn.qkv_proj.bias"] = torch.from_numpy(np.concatenate(bias))
+        if cfg.qk_norm:
+            for n in "qk":
+                sd[p + f"self_attn.{n}_norm.weight"] = torch.from_numpy(floats(b + f"attn_{n}_norm.weight").copy())
         fused(p + "self_attn.o_proj", [(b + "attn_output.weight", None)])
         fused(p + "mlp.gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)])
         fused(p + "mlp.down_proj", [(b + "ffn_down.weight", None)])
@@ -98,6 +109,8 @@ def _load_hf(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}."
         sd[p + "self_attn.qkv_proj.weight"] = torch.cat(
             [src[p + f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")], dim=0)
+        if cfg.attention_bias:
+            sd[p + "self_attn.qkv_proj.bias"] = torch.cat([src[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
         sd[p + "mlp.gate_up_proj.weight"] = torch.cat(
             [src[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")], dim=0)
     return sd
@@ -113,7 +126,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     else:
         sd, raw = _load_hf(path, cfg), {}
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg)
+        net = model_class(cfg)(cfg)
     net = net.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them on the real device.
     net.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)

@@ -69,6 +69,11 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
         raise ValueError(f"unknown head scheme {head_scheme!r}; choose int8 or int4")
     raw = raw or {}
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    biased = [n for n, m in linears if m.bias is not None]
+    if biased:  # fail before changing anything
+        raise ValueError(f"--quantization {scheme} needs bias-free linear layers (inferlab's int8/int4 kernels have "
+                         f"no bias), but {biased[0]} has a bias ({len(biased)} layers do, e.g. Qwen2's Q/K/V "
+                         f"projections); serve this model with --quantization none")
     if scheme == "int4":  # fail before changing anything
         for name, m in linears:
             try:
@@ -81,8 +86,6 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
     layers: Counter[str] = Counter()
     head_note = ""
     for name, lin in linears:
-        if lin.bias is not None:
-            raise ValueError(f"{name}: only bias-free linear layers can be quantized")
         tied_to = embeddings.get(id(lin.weight))
         s = head_scheme if tied_to is not None else scheme
         q, how = quantize_weight(lin.weight.detach(), s, group_size, raw.get(name))

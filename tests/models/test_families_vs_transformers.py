@@ -1,0 +1,141 @@
+"""Qwen2 (untied and tied heads), Qwen3 and Mistral (sliding window 8) against transformers on tiny random-weight
+models the tests build (tests/models/tiny_models.py), loaded by inferlab from the Hugging Face folder and from a
+GGUF file: log-probabilities of every position, and greedy continuations token-for-token, batched and alone, with
+prefix caching on and off, for prompts shorter and longer than Mistral's window. float32 throughout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_hf_model, save_gguf, save_hf
+
+from inferlab import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ["qwen2", "qwen2-tied", "qwen3", "mistral"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    # Longer than Mistral's window (8) and than a KV block (16).
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning rowed out",
+    "The three primary colors are",
+]
+N = 48
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """family -> (transformers model, HF folder, GGUF file), built once per module."""
+    from inferlab.common.bundled import bundled_model_path
+    from inferlab.models.loader import load_tokenizer
+
+    tok = load_tokenizer(None)
+    out = {}
+    for fam in FAMILIES:
+        m = build_hf_model(fam)
+        root = tmp_path_factory.mktemp(fam)
+        out[fam] = (m, save_hf(m, tok, root / "hf"), save_gguf(m, fam, root / f"{fam}.gguf", bundled_model_path()))
+    return out, tok
+
+
+def hf_generate(model, ids: list[int], n: int) -> list[int]:
+    """Greedy with transformers' own KV cache, never stopping at EOS (the engine's ignore_eos)."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(model=str(path), dtype="float32", kv_cache_memory=32 * 2**20, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_transformers(built, family, fmt):
+    models, _ = built
+    hf, folder, gguf_file = models[family]
+    refs: dict[tuple[int, ...], list[int]] = {}
+    for caching in (True, False):
+        llm = _llm(folder if fmt == "hf" else gguf_file, enable_prefix_caching=caching)
+        cfg = llm.engine.model_config
+        # llama.cpp writes Mistral as the llama architecture; the window comes from its own key.
+        arch = {"qwen2-tied": "qwen2", "mistral": "mistral" if fmt == "hf" else "llama"}.get(family, family)
+        assert (cfg.architecture, cfg.sliding_window) == (arch, 8 if family == "mistral" else None)
+        # The model's own tokenizer (transformers may load a saved one as its family's class, which splits text
+        # its own way): the oracle gets the same ids.
+        ids = [llm.engine.tokenize_prompt(p)[0] for p in PROMPTS]
+        assert len(ids[2]) > 16 > 8
+        refs.update({tuple(x): hf_generate(hf, x, N) for x in ids if tuple(x) not in refs})
+        expected = [refs[tuple(x)] for x in ids]
+        if caching:
+            # Log-probabilities of every position of the long prompt (one causal pass). Tolerance: fp32 kernels
+            # round differently from transformers' ops in the last bits; logits here span tens of units.
+            with torch.no_grad():
+                ref = hf(torch.tensor([ids[2]])).logits[0].float().log_softmax(-1)
+            ref_lp = ref[:-1].gather(1, torch.tensor(ids[2][1:])[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(llm.score(ids[2])), ref_lp, atol=1e-3, rtol=1e-4)
+        sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+        batched = [o.token_ids for o in llm.generate(PROMPTS, sp)]
+        assert batched == expected, f"{family}/{fmt}: batched greedy diverged (prefix caching {caching})"
+        again = llm.generate(PROMPTS, sp)  # the same prompts again: with caching, their prefixes are reused
+        assert [o.token_ids for o in again] == expected
+        assert (sum(o.num_cached_tokens for o in again) > 0) == caching
+        alone = [llm.generate([x], sp)[0].token_ids for x in ids]  # token ids in, one at a time
+        assert alone == expected, f"{family}/{fmt}: greedy alone diverged (prefix caching {caching})"
+
+
+def test_decode_plan_declines_layers_it_does_not_implement(built):
+    """The C++ plan has no Q/K/V biases and no QK-norm: for Qwen2 and Qwen3 it is not built (the Python layers run
+    decode) rather than computing something else."""
+    models, _ = built
+    for family in ("qwen2", "qwen3"):
+        llm = LLM(model=str(models[family][1]), dtype="bfloat16", kv_cache_memory=32 * 2**20)
+        model = llm.engine.runner.model.model
+        assert model.build_decode_plan() is False and model.decode_plan is None
+
+
+@pytest.mark.skipif(__import__("inferlab.kernels", fromlist=["gemv_kernels"]).gemv_kernels() is None,
+                    reason="the plan needs inferlab's AVX-512 BF16 kernels")
+def test_windowed_decode_plan_is_exact(built, monkeypatch):
+    """Mistral keeps the plan for decode steps whose every context fits the window and leaves the rest to the
+    layers' masked attention: greedy bf16 generations are identical with the plan and without it."""
+    from inferlab.kernels import cpu_kernels
+
+    models, _ = built
+    llm = LLM(model=str(models["mistral"][1]), dtype="bfloat16", kv_cache_memory=32 * 2**20)
+    model = llm.engine.runner.model.model
+    assert model.decode_plan is not None
+    kernels, calls = cpu_kernels(), []
+    real = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    short = [[1, 2], [3, 4, 5]]  # contexts 2..27: the first steps fit the window of 8, the later ones do not
+
+    def run():
+        return [o.token_ids for o in llm.generate(short, sp)] + [o.token_ids for o in llm.generate(PROMPTS, sp)]
+
+    with_plan = run()
+    assert calls  # the plan served the steps that fit
+    model.decode_plan = None
+    assert run() == with_plan
+
+
+def test_quantization_refuses_biased_layers_and_serves_qwen3(built):
+    models, _ = built
+    with pytest.raises(ValueError, match="needs bias-free linear layers.*qkv_proj has a bias"):
+        LLM(model=str(models["qwen2"][1]), dtype="bfloat16", quantization="int8", kv_cache_memory=32 * 2**20)
+    # Qwen3's projections are bias-free: int8 quantizes them, and its log-probabilities stay near the float model's
+    # (per-channel int8 of these random weights: a few percent).
+    q = LLM(model=str(models["qwen3"][1]), dtype="float32", quantization="int8", kv_cache_memory=32 * 2**20)
+    assert q.engine.runner.model.model.layers[0].self_attn.qkv_proj.__class__.__name__ == "Int8Linear"
+    ids = q.engine.tokenize_prompt(PROMPTS[2])[0]
+    with torch.no_grad():
+        ref = models["qwen3"][0](torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    ref_lp = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    ours = torch.tensor(q.score(ids))
+    torch.testing.assert_close(ours, ref_lp, rtol=0.05, atol=0.5)
