@@ -18,7 +18,7 @@ import numpy as np
 
 from inferlab.bench.arrivals import STREAM_WORKLOAD, rng_for
 from inferlab.bench.tokenizer import BenchTokenizer
-from inferlab.bench.workload import _ROLES, LengthDist, WorkloadError, _read_jsonl, exact_texts
+from inferlab.bench.workload import LengthDist, WorkloadError, _read_jsonl, exact_texts, read_sharegpt
 from inferlab.common.units import UnitError, parse_duration
 
 
@@ -149,23 +149,11 @@ def file_sessions(path: str | Path, tok: BenchTokenizer | None, output_len: int 
 
 
 def _sharegpt_sessions(path: Path, tok: BenchTokenizer | None, output_len: int | None) -> list[Session]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise WorkloadError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(data, list):
-        raise WorkloadError(f"{path}: ShareGPT data must be a JSON list of conversations")
     out = []
-    for ci, conv in enumerate(data):
-        turns = conv.get("conversations") or conv.get("conversation") if isinstance(conv, dict) else None
-        if not isinstance(turns, list):
-            raise WorkloadError(f"{path}: conversation {ci} has no 'conversations' list")
+    for conv in read_sharegpt(path):
         system, ts = None, []
-        for ti, t in enumerate(turns):
-            role = _ROLES.get(str(t.get("from", t.get("role", ""))).lower()) if isinstance(t, dict) else None
-            text = t.get("value", t.get("content")) if isinstance(t, dict) else None
-            if role is None or not isinstance(text, str):
-                raise WorkloadError(f"{path}: conversation {ci} turn {ti}: needs 'from' (human/gpt/system) and 'value'")
+        for m in conv:
+            role, text = m["role"], m["content"]
             if role == "system" and not ts:
                 system = text
             elif role == "user" and text:

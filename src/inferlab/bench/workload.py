@@ -235,10 +235,9 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "ass
           "bing": "assistant", "bard": "assistant", "system": "system"}
 
 
-def sharegpt(path: str | Path, tok: BenchTokenizer | None, output_len: int | None) -> Workload:
-    """ShareGPT JSON: a list of {"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]}.
-    Every assistant turn becomes a request whose messages are all the turns before it; its output length is
-    the real reply's token count (with a tokenizer) unless --output-len is given."""
+def read_sharegpt(path: str | Path) -> list[list[dict]]:
+    """ShareGPT JSON: a list of {"conversations": [{"from": "human"|"gpt"|"system", "value": str}, ...]} ->
+    each conversation as OpenAI-style messages [{"role", "content"}]."""
     path = Path(path)
     if not path.is_file():
         raise WorkloadError(f"workload file not found: {path}")
@@ -248,7 +247,7 @@ def sharegpt(path: str | Path, tok: BenchTokenizer | None, output_len: int | Non
         raise WorkloadError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(data, list):
         raise WorkloadError(f"{path}: ShareGPT data must be a JSON list of conversations")
-    reqs = []
+    convs = []
     for ci, conv in enumerate(data):
         turns = conv.get("conversations") or conv.get("conversation") if isinstance(conv, dict) else None
         if not isinstance(turns, list):
@@ -259,10 +258,20 @@ def sharegpt(path: str | Path, tok: BenchTokenizer | None, output_len: int | Non
             text = t.get("value", t.get("content")) if isinstance(t, dict) else None
             if role is None or not isinstance(text, str):
                 raise WorkloadError(f"{path}: conversation {ci} turn {ti}: needs 'from' (human/gpt/system) and 'value'")
-            if role == "assistant" and any(m["role"] == "user" for m in msgs) and text:
-                out = output_len or (tok.count(text) if tok else None)
-                reqs.append(RequestSpec(messages=list(msgs), input_len=_count(tok, None, msgs), output_len=out))
             msgs.append({"role": role, "content": text})
+        convs.append(msgs)
+    return convs
+
+
+def sharegpt(path: str | Path, tok: BenchTokenizer | None, output_len: int | None) -> Workload:
+    """Every assistant turn of a ShareGPT file (read_sharegpt) becomes a request whose messages are all the turns
+    before it; its output length is the real reply's token count (with a tokenizer) unless --output-len is given."""
+    reqs = []
+    for conv in read_sharegpt(path):
+        for i, m in enumerate(conv):
+            if m["role"] == "assistant" and m["content"] and any(p["role"] == "user" for p in conv[:i]):
+                out = output_len or (tok.count(m["content"]) if tok else None)
+                reqs.append(RequestSpec(messages=conv[:i], input_len=_count(tok, None, conv[:i]), output_len=out))
     if not reqs:
         raise WorkloadError(f"{path}: no assistant turn follows a user turn; nothing to replay")
     return Workload(reqs, {"kind": "sharegpt", "path": str(path), "num_prompts": len(reqs)})
