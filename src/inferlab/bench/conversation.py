@@ -9,7 +9,6 @@ lengths kept) or are synthetic (`--turns`, `--first-turn-len`, `--input-len`, `-
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
