@@ -82,8 +82,13 @@ def test_card_runs_through_bench_on_the_fake_server(tmp_path):
     assert "ttft p99" in d.reference
     # TTFT misses its tightest objective and decode has none: the waiting-or-prefill hypothesis, with the
     # scraped metrics of the fake server (a few vllm: series) read where present.
-    assert d.hypotheses[0].title == "high TTFT: waiting or prefill"
-    assert "ttft p50" in d.hypotheses[0].symptom and "no objective or sweep" in d.hypotheses[0].symptom
+    # A run on a busy machine (the test suite's own processes can make it one) is diagnosed as such first.
+    busy = run["machine"]["contaminated"]
+    if busy:
+        assert d.hypotheses[0].title == "the machine was busy: the results are contaminated"
+    ttft = d.hypotheses[1 if busy else 0]
+    assert ttft.title == "high TTFT: waiting or prefill"
+    assert "ttft p50" in ttft.symptom and "no objective or sweep" in ttft.symptom
 
 
 def test_bench_flags_from_card_parse_to_the_same_config():
