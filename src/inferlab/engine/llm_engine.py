@@ -11,6 +11,7 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.detokenizer import Detokenizer
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.logprobs import TokenLogprob, token_logprobs
 from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from inferlab.common.host_memory import available_memory, keep_step_buffers
@@ -167,6 +168,12 @@ class LLMEngine:
         inputs = self.runner.prepare(batch, [self.block_manager.table(s.request_id) for s in batch.seqs])
         logits = self.runner.execute(inputs)
         seqs = inputs.sample_seqs
+        if inputs.prompt_spans:
+            self._collect_prompt_logprobs(logits[inputs.num_sample_rows:], inputs.prompt_spans)
+            logits = logits[:inputs.num_sample_rows] if seqs else None
+        want_logprobs = [s for s in seqs if s.params.logprobs is not None]
+        if want_logprobs:  # normalised before sampling: a verifier may work on the logits in place
+            row_logits = self._logprob_rows(logits, inputs.logits_per_seq, seqs)
         if logits is None:
             sampled: list[list[int]] = []
         elif self.proposer is not None and any(s.spec_token_ids for s in seqs):
@@ -176,10 +183,48 @@ class LLMEngine:
             sampled = [[t] for t in self.sampler(logits, [s.params for s in seqs], gens).tolist()]
         self.scheduler.update_from_output(batch, dict(zip(seqs, sampled)))
         now = time.perf_counter()
-        outputs = [self._append_tokens(seq, new_tokens, now) for seq, new_tokens in zip(seqs, sampled)]
+        lps = self._sampled_logprobs(row_logits, sampled, seqs) if want_logprobs else {}
+        outputs = [self._append_tokens(seq, new_tokens, now, lps.get(seq)) for seq, new_tokens in zip(seqs, sampled)]
         if self.proposer is not None:
             self.scheduler.set_proposals(self.proposer.propose(self.scheduler.running, self._step_context()))
         return outputs
+
+    # -- logprobs (engine/logprobs.py) -------------------------------------------------------------------------
+    @staticmethod
+    def _logprob_rows(logits: torch.Tensor, per_seq: list[int], seqs: list[Sequence]) -> dict[Sequence, torch.Tensor]:
+        """The logits rows of each sequence that wants logprobs (a copy: indexing gathers)."""
+        offsets = [0]
+        for n in per_seq:
+            offsets.append(offsets[-1] + n)
+        return {s: logits[offsets[i]:offsets[i + 1]].clone() for i, s in enumerate(seqs) if s.params.logprobs is not None}
+
+    def _sampled_logprobs(self, rows: dict[Sequence, torch.Tensor], sampled: list[list[int]],
+                          seqs: list[Sequence]) -> dict[Sequence, list[TokenLogprob]]:
+        """Row j of a sequence's rows predicted its j-th new token (accepted proposals, then the sampled one); all
+        sequences' rows go through one batched log_softmax."""
+        new = dict(zip(seqs, sampled))
+        order = [s for s in rows if new[s]]
+        if not order:
+            return {}
+        logits = torch.cat([rows[s][:len(new[s])] for s in order])
+        toks = [t for s in order for t in new[s]]
+        ks = [s.params.logprobs for s in order for _ in new[s]]
+        entries = token_logprobs(logits, toks, ks, self.tokenizer)
+        out, i = {}, 0
+        for s in order:
+            out[s] = entries[i:i + len(new[s])]
+            i += len(new[s])
+        return out
+
+    def _collect_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> None:
+        toks = [t for s, lo, n in spans for t in s.token_ids[lo + 1:lo + 1 + n]]
+        ks = [s.params.prompt_logprobs for s, _, n in spans for _ in range(n)]
+        entries = token_logprobs(logits, toks, ks, self.tokenizer)
+        i = 0
+        for s, lo, n in spans:
+            assert len(s.prompt_logprobs) == lo, "prompt logprobs must be collected in position order"
+            s.prompt_logprobs.extend(entries[i:i + n])
+            i += n
 
     def _step_context(self) -> StepContext:
         sched = self.scheduler
@@ -188,10 +233,14 @@ class LLMEngine:
                            generators=self._generators, block_table=self.block_manager.table,
                            allocate=self.block_manager.allocate)
 
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float,
+                       logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         p = seq.params
         appended: list[int] = []
         old_len = len(seq.output_text)
+        if p.max_tokens == 0:  # scoring the prompt only: its logprobs are in, the sampled token is dropped
+            new_tokens = []
+            seq.finish_reason = "length"
         for tok in new_tokens:
             seq.token_ids.append(tok)
             appended.append(tok)
@@ -217,9 +266,10 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
             self._generators.pop(seq.request_id, None)
         self.stats_counters.generation_tokens_total += len(appended)
-        if seq.num_output_tokens == len(appended):
+        first = seq.num_output_tokens == len(appended)
+        if first:
             self.stats_counters.prompt_tokens_total += seq.num_prompt_tokens
-        return RequestOutput(
+        out = RequestOutput(
             request_id=seq.request_id,
             new_token_ids=appended,
             new_text=self.detokenizer.take_new_text(seq, finished),
@@ -231,6 +281,15 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics if finished else None,
         )
+        if p.logprobs is not None:
+            out.logprobs = (logprobs or [])[:len(appended)]
+        if first and p.prompt_logprobs is not None:
+            t0 = seq.prompt_token_ids[0]
+            out.prompt_logprobs = [TokenLogprob(t0, self.tokenizer.decode([t0]), None), *seq.prompt_logprobs]
+        if first and p.echo:
+            out.prompt_text = (seq.prompt_text if seq.prompt_text is not None
+                               else self.tokenizer.decode(seq.prompt_token_ids))
+        return out
 
     # -- observability ----------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inferlab.engine.logprobs import TokenLogprob
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -48,6 +50,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: RequestMetrics | None = None  # set on the finishing delta
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (params.logprobs)
+    # On the first delta only, when asked: one per prompt token (the first with logprob None).
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None  # on the first delta, when params.echo
 
 
 @dataclass(slots=True)

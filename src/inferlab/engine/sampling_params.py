@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.logprobs import MAX_LOGPROBS
 
 
 @dataclass(slots=True)
@@ -18,6 +19,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Log-probabilities (engine/logprobs.py): None = not computed; k >= 0 = the token's own plus its k most likely
+    # alternatives, for each sampled token (logprobs) and each prompt token but the first (prompt_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False  # the first delta carries the prompt's text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,8 +39,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            # Scoring a prompt (echo + logprobs, lm-evaluation-harness's loglikelihood) is the one use of 0 tokens.
+            raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0 is allowed only with prompt "
+                                      "logprobs: echo with logprobs)", "max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
         if not (self.temperature >= 0.0):
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", "temperature")
         if not (0.0 < self.top_p <= 1.0):

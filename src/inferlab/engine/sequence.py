@@ -35,6 +35,8 @@ class Sequence:
     spec_accepted: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Prompt logprobs collected so far (entry j: the token at position j + 1), over one or more prefill chunks.
+    prompt_logprobs: list = field(default_factory=list)
     # Detokenizer state (see detokenizer.py).
     output_text: str = ""
     emitted_text_len: int = 0

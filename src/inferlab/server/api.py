@@ -31,6 +31,7 @@ from inferlab.engine.outputs import RequestOutput
 from inferlab.server.async_engine import (TIMED_OUT, AsyncEngine, EngineDeadError, EngineFailed, QueueFullError,
                                           RequestStream)
 from inferlab.server.engine_client import EngineClient
+from inferlab.server.logprobs import CompletionLogprobsFormatter, chat_logprobs
 from inferlab.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferlab.server.protocol import (SSE_DONE, APIError, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatChoice, ChatStreamChoice, AssistantMessage,
@@ -111,7 +112,8 @@ class OpenAIServer:
         self.check_model(body.model)
         prompt = body.check()
         max_tokens = body.max_output_tokens  # None: until the context is full
-        params = body.sampling_params(max_tokens or 1)  # then sized from the prompt length on the engine thread
+        # None: sized from the prompt length on the engine thread; 0: scoring the prompt (echo + logprobs)
+        params = body.sampling_params(1 if max_tokens is None else max_tokens)
         try:
             return await self.engine.add_request(rid, prompt, params, _cache_salt(tenant, body.cache_salt),
                                                  max_tokens is None, arrival)
@@ -141,18 +143,24 @@ class OpenAIServer:
             self.engine.abort(stream.request_id)  # no-op when it finished
 
     async def events(self, stream: RequestStream, chunk: Callable[..., CompletionChunk | ChatCompletionChunk],
-                     first: str | None, include_usage: bool) -> AsyncIterator[str]:
+                     first: str | None, include_usage: bool,
+                     detailed: Callable[[RequestOutput], CompletionChunk | ChatCompletionChunk] | None = None,
+                     ) -> AsyncIterator[str]:
         """SSE lines: `first`, one chunk per engine delta that has text, the last with its finish_reason, the usage
-        chunk when asked for, then [DONE]. `chunk(text, finish_reason=None, stop_reason=None)` builds one chunk."""
+        chunk when asked for, then [DONE]. `chunk(text, finish_reason=None, stop_reason=None)` builds one chunk.
+        A request that asked for more than text per token (logprobs, echo) passes `detailed(delta)`, which builds
+        each delta's whole chunk; the others keep the spliced-text fast path."""
         token_line = sse_with_text(chunk)
         timer = self._start_timer(stream)
         try:
             if first is not None:
                 yield first
             while not (out := await self._next_output(stream)).finished:
-                if out.new_text:
+                if detailed is not None:
+                    yield sse(detailed(out))
+                elif out.new_text:
                     yield token_line(out.new_text)
-            last = chunk(out.new_text, out.finish_reason, out.stop_reason)
+            last = detailed(out) if detailed is not None else chunk(out.new_text, out.finish_reason, out.stop_reason)
             yield sse(last)
             if include_usage:
                 yield sse(last.model_copy(update={"choices": [], "usage": UsageInfo.of(out)}))
@@ -165,11 +173,19 @@ class OpenAIServer:
             self.engine.abort(stream.request_id)  # no-op when finished; otherwise the client left or timed out
 
     async def _whole_text(self, stream: RequestStream) -> tuple[str, RequestOutput]:
+        """The whole text, and the finishing delta carrying the whole request's logprobs and first-delta fields."""
         parts: list[str] = []
+        logprobs: list = []
+        first: RequestOutput | None = None
         while True:
             out = await self._next_output(stream)
+            first = first or out
             parts.append(out.new_text)
+            logprobs.extend(out.logprobs or ())
             if out.finished:
+                if out.logprobs is not None:
+                    out.logprobs = logprobs
+                out.prompt_logprobs, out.prompt_text = first.prompt_logprobs, first.prompt_text
                 return "".join(parts), out
 
     async def _next_output(self, stream: RequestStream) -> RequestOutput:
@@ -286,12 +302,37 @@ async def completions(body: CompletionRequest, request: Request, tenant: str | N
             return CompletionChunk(id=rid, created=created, model=s.model_name, choices=[CompletionChoice(
                 text=text, finish_reason=finish_reason, stop_reason=stop_reason)])
 
-        return _EventStream(s.events(stream, chunk, None, body.include_usage))
+        detailed = None
+        if body.logprobs is not None or body.echo:
+            choice = _completion_choice(body)
+
+            def detailed(out: RequestOutput) -> CompletionChunk:
+                return CompletionChunk(id=rid, created=created, model=s.model_name,
+                                       choices=[choice(out.new_text, out)])
+
+        return _EventStream(s.events(stream, chunk, None, body.include_usage, detailed))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)  # nobody reads it: the client closed the connection
     text, last = done
-    return CompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(last), choices=[CompletionChoice(
-        text=text, finish_reason=last.finish_reason, stop_reason=last.stop_reason)])
+    return CompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(last),
+                              choices=[_completion_choice(body)(text, last)])
+
+
+def _completion_choice(body: CompletionRequest) -> Callable[[str, RequestOutput], CompletionChoice]:
+    """`(text, delta) -> choice` for one completion choice: with echo, the prompt's text (and logprobs) come
+    first, on the first delta."""
+    fmt = CompletionLogprobsFormatter() if body.logprobs is not None else None
+
+    def choice(text: str, out: RequestOutput) -> CompletionChoice:
+        entries = list(out.logprobs or [])
+        if body.echo and out.prompt_text is not None:
+            text = out.prompt_text + text
+            entries = list(out.prompt_logprobs or []) + entries
+        return CompletionChoice(text=text, logprobs=fmt(entries) if fmt is not None else None,
+                                finish_reason=out.finish_reason if out.finished else None,
+                                stop_reason=out.stop_reason if out.finished else None)
+
+    return choice
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -309,12 +350,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
                 delta=DeltaMessage(content=text) if role is None else RoleDelta(role=role, content=text),
                 finish_reason=finish_reason, stop_reason=stop_reason)])
 
-        return _EventStream(s.events(stream, chunk, sse(chunk("", role="assistant")), body.include_usage))
+        detailed = None
+        if body.logprobs:
+            def detailed(out: RequestOutput) -> ChatCompletionChunk:
+                return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[ChatStreamChoice(
+                    delta=DeltaMessage(content=out.new_text), logprobs=chat_logprobs(out.logprobs or []),
+                    finish_reason=out.finish_reason if out.finished else None,
+                    stop_reason=out.stop_reason if out.finished else None)])
+
+        return _EventStream(s.events(stream, chunk, sse(chunk("", role="assistant")), body.include_usage, detailed))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)
     text, last = done
     return ChatCompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(last), choices=[ChatChoice(
-        message=AssistantMessage(content=text), finish_reason=last.finish_reason, stop_reason=last.stop_reason)])
+        message=AssistantMessage(content=text), finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+        logprobs=chat_logprobs(last.logprobs or []) if body.logprobs else None)])
 
 
 # ---------------------------------------------------------------- errors

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.logprobs import MAX_LOGPROBS
 from inferlab.engine.outputs import RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
 
@@ -82,7 +83,6 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     user: str | None = None
 
     def _check_unsupported(self, extra: dict[str, Any]) -> None:
@@ -95,8 +95,6 @@ class _SamplingFields(BaseModel):
                 raise invalid(f"{name} is not supported by this server; omit it or set it to 0", name)
         if self.logit_bias:
             raise invalid("logit_bias is not supported by this server", "logit_bias")
-        if self.logprobs not in (None, False, 0):
-            raise invalid("logprobs is not supported by this server", "logprobs")
         for name, value in extra.items():
             if name in _UNSUPPORTED_IF_SET and value not in _UNSUPPORTED_IF_SET[name]:
                 raise invalid(f"{name} is not supported by this server", name)
@@ -113,9 +111,14 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=bool(self.ignore_eos),
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                **self.logprob_params(),
             )
         except InvalidRequestError as e:
             raise invalid(str(e), e.param) from None
+
+    def logprob_params(self) -> dict[str, Any]:
+        """The SamplingParams fields of logprobs and echo, which the endpoints spell differently."""
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -125,12 +128,10 @@ class _SamplingFields(BaseModel):
 # Extra fields (not declared above) that we accept only at these "off" values.
 _UNSUPPORTED_IF_SET: dict[str, tuple] = {
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
-    "top_logprobs": (None, 0),
     "response_format": (None, {"type": "text"}),
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -147,7 +148,20 @@ class CompletionRequest(_SamplingFields):
     prompt_field: ClassVar[str] = "prompt"  # the `param` of an error about the prompt
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]] = Field(
         ..., description="A string or a list of token ids. A batch of several prompts is not supported.")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo and logprobs (score the prompt).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "Log-probabilities of each token and of its `logprobs` most likely alternatives, of the model's raw "
+        "distribution (before temperature, top-k and top-p, as vLLM's default)."))
+    echo: bool | None = Field(False, description="Prepend the prompt to the text (and its tokens to logprobs; "
+                                                 "the first prompt token's logprob is null).")
+
+    def logprob_params(self) -> dict[str, Any]:
+        echo = bool(self.echo)
+        if self.max_tokens == 0 and not (echo and self.logprobs is not None):
+            raise invalid("max_tokens=0 needs echo=true and logprobs set: it scores the prompt without generating",
+                          "max_tokens")
+        return {"logprobs": self.logprobs, "echo": echo,
+                "prompt_logprobs": self.logprobs if echo and self.logprobs is not None else None}
 
     def check(self) -> str | list[int]:
         """Unsupported options -> 400; returns the single prompt."""
@@ -198,6 +212,15 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(False, description="Return the log-probability of each output token (of the "
+                                                     "model's raw distribution, as vLLM's default).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: how many most "
+                                                                             "likely alternatives per token.")
+
+    def logprob_params(self) -> dict[str, Any]:
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def check(self) -> list[dict]:
         self._check_unsupported(self.model_extra or {})
@@ -233,6 +256,29 @@ class UsageInfo(BaseModel):
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # null for the first prompt token (with echo)
+    top_logprobs: list[dict[str, float] | None]  # the token itself and its most likely alternatives
+    text_offset: list[int]  # where each token's text starts in the choice's text (across a stream's chunks)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class _Choice(BaseModel):
     index: int = 0
     logprobs: None = None
@@ -242,6 +288,7 @@ class _Choice(BaseModel):
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None  # type: ignore[assignment]
 
 
 class CompletionResponse(BaseModel):
@@ -267,6 +314,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(_Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None  # type: ignore[assignment]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -291,6 +339,7 @@ class RoleDelta(BaseModel):
 
 class ChatStreamChoice(_Choice):
     delta: RoleDelta | DeltaMessage
+    logprobs: ChatLogprobs | None = None  # type: ignore[assignment]
 
 
 class ChatCompletionChunk(BaseModel):
