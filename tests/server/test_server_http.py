@@ -141,7 +141,7 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": "a", "temperature": -1}', 400, "temperature", "temperature"),
     ("/v1/completions", '{"prompt": "a", "top_p": 0}', 400, "top_p", "top_p"),
     ("/v1/completions", '{"prompt": "a", "stop": [""]}', 400, "stop", "non-empty"),
-    ("/v1/completions", '{"prompt": "a", "n": 3}', 400, "n", "n=3 is not supported"),
+    ("/v1/completions", '{"prompt": "a", "n": 0}', 400, "n", "greater than or equal to 1"),
     ("/v1/completions", '{"prompt": "a", "logprobs": 21}', 400, "logprobs", "less than or equal to 20"),
     ("/v1/chat/completions", json.dumps({"messages": CHAT, "top_logprobs": 3}), 400, "top_logprobs",
      "needs logprobs set to true"),
@@ -189,8 +189,8 @@ def test_bad_input_gets_an_openai_error_then_a_good_request_succeeds(shared_fake
 
 def test_bad_input_through_the_openai_client_raises_its_typed_errors(fake_server):
     c = _client(fake_server())
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        c.chat.completions.create(model="fake-model", messages=CHAT, n=2)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 64"):
+        c.chat.completions.create(model="fake-model", messages=CHAT, n=65)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         c.chat.completions.create(model="nope", messages=CHAT)
     assert c.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=1).choices[0].message.content
@@ -413,3 +413,15 @@ def test_serve_refuses_bad_options_with_a_clear_message(argv, words, capsys):
     cli.add_arguments(parser)
     assert cli.run(parser.parse_args(argv)) == 2
     assert words in capsys.readouterr().err
+
+
+def test_n_choices_each_finish_with_their_index(fake_server):
+    c = _client(fake_server())
+    r = c.completions.create(model="fake-model", prompt="a b", n=3, max_tokens=2)
+    assert [(ch.index, ch.text, ch.finish_reason) for ch in r.choices] == [(i, " w0 w1", "length") for i in range(3)]
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 2
+    seen: dict[int, str] = {}
+    for ch in c.chat.completions.create(model="fake-model", messages=CHAT, n=2, max_tokens=2, stream=True):
+        for choice in ch.choices:
+            seen[choice.index] = seen.get(choice.index, "") + (choice.delta.content or "")
+    assert seen == {0: " w0 w1", 1: " w0 w1"}

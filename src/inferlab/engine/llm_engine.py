@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -19,6 +20,7 @@ from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
 from inferlab.engine.sequence import Sequence
+from inferlab.engine.structured_output import StructuredOutput
 from inferlab.models.loader import load_model, load_tokenizer
 from inferlab.spec import StepContext, make_proposer
 
@@ -86,6 +88,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._forks: dict[str, Sequence] = {}  # n > 1 requests whose choice 0 is still computing the prompt
+        self._structured_output: StructuredOutput | None = None  # built on the first request with a guide
         self.proposer = make_proposer(config, self.runner, self.tokenizer)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
@@ -131,15 +135,54 @@ class LLMEngine:
                 f"lower max_tokens", "prompt" if n >= self.max_model_len else "max_tokens")
         seq = Sequence(request_id, token_ids, params, RequestMetrics(arrival_time or time.perf_counter()),
                        cache_salt=cache_salt, prompt_text=text)
+        if params.guide is not None:
+            seq.grammar = self.structured_output.matcher(params.guide)
         if params.seed is not None:
             g = torch.Generator(device=self.device)
             g.manual_seed(params.seed)
             self._generators[request_id] = g
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        if params.n > 1:
+            self._forks[request_id] = seq
         return n
 
+    @property
+    def structured_output(self) -> StructuredOutput:
+        if self._structured_output is None:
+            self._structured_output = StructuredOutput(self.tokenizer, self.model_config.vocab_size,
+                                                       sorted(self.eos_token_ids))
+        return self._structured_output
+
+    def _fork(self, parent: Sequence) -> None:
+        """Choices 1..n-1 of an n > 1 request, queued once choice 0 has computed the prompt, so that they share its
+        KV blocks: the full blocks through the prefix cache (ref-counted, never written again), and the last,
+        partial block recomputed by each choice (under block_size tokens, against copying a block of every layer's
+        K/V, which the pool has no kernel for; it also gives each choice the logits of the prompt's last token to
+        draw its own first token from). Choice i is seeded with seed + i, so n = 4 with seed s samples exactly what
+        four requests with seeds s..s+3 would. Without prefix caching each choice computes the whole prompt."""
+        p = parent.params
+        children = []
+        for i in range(1, p.n):
+            rid = f"{parent.request_id}#{i}"
+            params = replace(p, seed=None if p.seed is None else p.seed + i, n=1)
+            seq = Sequence(rid, list(parent.prompt_token_ids), params, RequestMetrics(parent.metrics.arrival_time),
+                           cache_salt=parent.cache_salt, prompt_text=parent.prompt_text,
+                           group_id=parent.request_id, index=i)
+            if params.guide is not None:
+                seq.grammar = self.structured_output.matcher(params.guide)
+            if params.seed is not None:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(params.seed)
+                self._generators[rid] = g
+            self.requests[rid] = seq
+            children.append(seq)
+        self.scheduler.add_first(children)
+
     def abort(self, request_id: str) -> bool:
+        if self._forks.pop(request_id, None) is None:  # else its other choices were never forked
+            for rid in [r for r in self.requests if r.startswith(request_id + "#")]:
+                self.abort(rid)  # the other choices of an n > 1 request
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -174,6 +217,8 @@ class LLMEngine:
         want_logprobs = [s for s in seqs if s.params.logprobs is not None]
         if want_logprobs:  # normalised before sampling: a verifier may work on the logits in place
             row_logits = self._logprob_rows(logits, inputs.logits_per_seq, seqs)
+        if logits is not None and self._structured_output is not None:
+            self._apply_grammars(logits, inputs.logits_per_seq, seqs)
         if logits is None:
             sampled: list[list[int]] = []
         elif self.proposer is not None and any(s.spec_token_ids for s in seqs):
@@ -186,8 +231,19 @@ class LLMEngine:
         lps = self._sampled_logprobs(row_logits, sampled, seqs) if want_logprobs else {}
         outputs = [self._append_tokens(seq, new_tokens, now, lps.get(seq)) for seq, new_tokens in zip(seqs, sampled)]
         if self.proposer is not None:
-            self.scheduler.set_proposals(self.proposer.propose(self.scheduler.running, self._step_context()))
+            proposals = self.proposer.propose(self.scheduler.running, self._step_context())
+            self.scheduler.set_proposals({s: t for s, t in proposals.items() if s.grammar is None})
         return outputs
+
+    def _apply_grammars(self, logits: torch.Tensor, per_seq: list[int], seqs: list[Sequence]) -> None:
+        rows, matchers, row = [], [], 0
+        for s, n in zip(seqs, per_seq):
+            if s.grammar is not None:  # one row: guided requests get no proposals
+                rows.append(row)
+                matchers.append(s.grammar)
+            row += n
+        if rows:
+            self.structured_output.apply(logits, rows, matchers)
 
     # -- logprobs (engine/logprobs.py) -------------------------------------------------------------------------
     @staticmethod
@@ -242,6 +298,8 @@ class LLMEngine:
             new_tokens = []
             seq.finish_reason = "length"
         for tok in new_tokens:
+            if seq.grammar is not None and not seq.grammar.accept_token(tok):
+                log.warning("request %s: token %d was sampled outside its grammar", seq.request_id, tok)
             seq.token_ids.append(tok)
             appended.append(tok)
             seq.metrics.token_times.append(now)
@@ -269,8 +327,11 @@ class LLMEngine:
         first = seq.num_output_tokens == len(appended)
         if first:
             self.stats_counters.prompt_tokens_total += seq.num_prompt_tokens
+            if self._forks.pop(seq.request_id, None) is not None:
+                self._fork(seq)
         out = RequestOutput(
-            request_id=seq.request_id,
+            request_id=seq.group_id or seq.request_id,
+            index=seq.index,
             new_token_ids=appended,
             new_text=self.detokenizer.take_new_text(seq, finished),
             finished=finished,

@@ -54,6 +54,7 @@ class RequestOutput:
     # On the first delta only, when asked: one per prompt token (the first with logprob None).
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_text: str | None = None  # on the first delta, when params.echo
+    index: int = 0  # the choice (n > 1): each choice has its own deltas, the last with finished=True
 
 
 @dataclass(slots=True)

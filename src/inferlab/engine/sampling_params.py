@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.logprobs import MAX_LOGPROBS
+from inferlab.engine.structured_output import Guide
 
 
 @dataclass(slots=True)
@@ -24,6 +25,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     echo: bool = False  # the first delta carries the prompt's text
+    # Parallel samples of one prompt (choices); choice i draws from seed + i when seeded (llm_engine.py, _fork).
+    n: int = 1
+    guide: Guide | None = None  # structured output: what the text must match (engine/structured_output.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +49,8 @@ class SamplingParams:
             # Scoring a prompt (echo + logprobs, lm-evaluation-harness's loglikelihood) is the one use of 0 tokens.
             raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0 is allowed only with prompt "
                                       "logprobs: echo with logprobs)", "max_tokens")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):

@@ -126,9 +126,9 @@ class OpenAIServer:
         except EngineDeadError as e:
             raise APIError(503, str(e), "server_error", None, "engine_dead") from None
 
-    async def collect(self, request: Request, stream: RequestStream) -> tuple[str, RequestOutput] | None:
-        """Non-streaming: the whole text and the finishing delta, or None when the client left first (the request
-        is then aborted)."""
+    async def collect(self, request: Request, stream: RequestStream) -> list[tuple[str, RequestOutput]] | None:
+        """Non-streaming: each choice's whole text and finishing delta, in choice order, or None when the client
+        left first (the request is then aborted)."""
         timer = self._start_timer(stream)
         result = asyncio.ensure_future(self._whole_text(stream))
         gone = asyncio.ensure_future(_until_disconnected(request))
@@ -155,7 +155,10 @@ class OpenAIServer:
         try:
             if first is not None:
                 yield first
-            while not (out := await self._next_output(stream)).finished:
+            finished: list[RequestOutput] = []  # with n > 1, each choice's last delta (`detailed` is then set)
+            while not (out := await self._next_output(stream)).finished or len(finished) + 1 < stream.num_choices:
+                if out.finished:
+                    finished.append(out)
                 if detailed is not None:
                     yield sse(detailed(out))
                 elif out.new_text:
@@ -163,7 +166,7 @@ class OpenAIServer:
             last = detailed(out) if detailed is not None else chunk(out.new_text, out.finish_reason, out.stop_reason)
             yield sse(last)
             if include_usage:
-                yield sse(last.model_copy(update={"choices": [], "usage": UsageInfo.of(out)}))
+                yield sse(last.model_copy(update={"choices": [], "usage": UsageInfo.of(out, *finished)}))
             yield SSE_DONE
         except APIError as e:  # the status line is long gone: the error travels as an event
             yield sse(e.body()) + SSE_DONE
@@ -172,21 +175,25 @@ class OpenAIServer:
                 timer.cancel()
             self.engine.abort(stream.request_id)  # no-op when finished; otherwise the client left or timed out
 
-    async def _whole_text(self, stream: RequestStream) -> tuple[str, RequestOutput]:
-        """The whole text, and the finishing delta carrying the whole request's logprobs and first-delta fields."""
-        parts: list[str] = []
-        logprobs: list = []
-        first: RequestOutput | None = None
-        while True:
+    async def _whole_text(self, stream: RequestStream) -> list[tuple[str, RequestOutput]]:
+        """Per choice: the whole text, and the finishing delta carrying the choice's logprobs and first-delta
+        fields."""
+        parts: dict[int, list[str]] = {}
+        logprobs: dict[int, list] = {}
+        first: dict[int, RequestOutput] = {}
+        done: dict[int, tuple[str, RequestOutput]] = {}
+        while len(done) < stream.num_choices:
             out = await self._next_output(stream)
-            first = first or out
-            parts.append(out.new_text)
-            logprobs.extend(out.logprobs or ())
+            i = out.index
+            first.setdefault(i, out)
+            parts.setdefault(i, []).append(out.new_text)
+            logprobs.setdefault(i, []).extend(out.logprobs or ())
             if out.finished:
                 if out.logprobs is not None:
-                    out.logprobs = logprobs
-                out.prompt_logprobs, out.prompt_text = first.prompt_logprobs, first.prompt_text
-                return "".join(parts), out
+                    out.logprobs = logprobs[i]
+                out.prompt_logprobs, out.prompt_text = first[i].prompt_logprobs, first[i].prompt_text
+                done[i] = "".join(parts[i]), out
+        return [done[i] for i in sorted(done)]
 
     async def _next_output(self, stream: RequestStream) -> RequestOutput:
         """The stream's next delta; a timeout, a dead engine or a failed request raise their APIError."""
@@ -303,19 +310,19 @@ async def completions(body: CompletionRequest, request: Request, tenant: str | N
                 text=text, finish_reason=finish_reason, stop_reason=stop_reason)])
 
         detailed = None
-        if body.logprobs is not None or body.echo:
-            choice = _completion_choice(body)
+        if body.logprobs is not None or body.echo or stream.num_choices > 1:
+            choices: dict[int, Callable[[str, RequestOutput], CompletionChoice]] = {}
 
             def detailed(out: RequestOutput) -> CompletionChunk:
+                choice = choices.setdefault(out.index, _completion_choice(body))
                 return CompletionChunk(id=rid, created=created, model=s.model_name,
                                        choices=[choice(out.new_text, out)])
 
         return _EventStream(s.events(stream, chunk, None, body.include_usage, detailed))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)  # nobody reads it: the client closed the connection
-    text, last = done
-    return CompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(last),
-                              choices=[_completion_choice(body)(text, last)])
+    return CompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(*(last for _, last in done)),
+                              choices=[_completion_choice(body)(text, last) for text, last in done])
 
 
 def _completion_choice(body: CompletionRequest) -> Callable[[str, RequestOutput], CompletionChoice]:
@@ -328,7 +335,7 @@ def _completion_choice(body: CompletionRequest) -> Callable[[str, RequestOutput]
         if body.echo and out.prompt_text is not None:
             text = out.prompt_text + text
             entries = list(out.prompt_logprobs or []) + entries
-        return CompletionChoice(text=text, logprobs=fmt(entries) if fmt is not None else None,
+        return CompletionChoice(index=out.index, text=text, logprobs=fmt(entries) if fmt is not None else None,
                                 finish_reason=out.finish_reason if out.finished else None,
                                 stop_reason=out.stop_reason if out.finished else None)
 
@@ -351,20 +358,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
                 finish_reason=finish_reason, stop_reason=stop_reason)])
 
         detailed = None
-        if body.logprobs:
+        first = sse(chunk("", role="assistant"))
+        if body.logprobs or stream.num_choices > 1:
             def detailed(out: RequestOutput) -> ChatCompletionChunk:
                 return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[ChatStreamChoice(
-                    delta=DeltaMessage(content=out.new_text), logprobs=chat_logprobs(out.logprobs or []),
+                    index=out.index, delta=DeltaMessage(content=out.new_text),
+                    logprobs=chat_logprobs(out.logprobs or []) if body.logprobs else None,
                     finish_reason=out.finish_reason if out.finished else None,
                     stop_reason=out.stop_reason if out.finished else None)])
 
-        return _EventStream(s.events(stream, chunk, sse(chunk("", role="assistant")), body.include_usage, detailed))
+            first = "".join(sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[
+                ChatStreamChoice(index=i, delta=RoleDelta(role="assistant"), finish_reason=None)]))
+                for i in range(stream.num_choices))
+
+        return _EventStream(s.events(stream, chunk, first, body.include_usage, detailed))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)
-    text, last = done
-    return ChatCompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(last), choices=[ChatChoice(
-        message=AssistantMessage(content=text), finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-        logprobs=chat_logprobs(last.logprobs or []) if body.logprobs else None)])
+    return ChatCompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(*(last for _, last in done)),
+                                  choices=[ChatChoice(
+        index=last.index, message=AssistantMessage(content=text), finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason, logprobs=chat_logprobs(last.logprobs or []) if body.logprobs else None)
+        for text, last in done])
 
 
 # ---------------------------------------------------------------- errors

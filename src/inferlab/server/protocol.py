@@ -18,6 +18,7 @@ from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.logprobs import MAX_LOGPROBS
 from inferlab.engine.outputs import RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
+from inferlab.engine.structured_output import Guide
 
 # ---------------------------------------------------------------- errors
 
@@ -52,12 +53,52 @@ def invalid(message: str, param: str | None = None) -> APIError:
 
 # ---------------------------------------------------------------- requests
 
+MAX_CHOICES = 64
 _Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 _TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+# vLLM's extra fields for structured output (the older guided_* and the newer structured_outputs object's keys).
+_GUIDE_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _guide(kind: str, value: Any, param: str) -> Guide:
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise invalid(f"{param} must be a JSON schema (an object or its JSON text): {e}", param) from None
+        if not isinstance(value, dict):
+            raise invalid(f"{param} must be a JSON schema object", param)
+        return Guide("json_schema", json.dumps(value), param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise invalid(f"{param} must be a non-empty list of non-empty strings", param)
+        return Guide("choice", json.dumps(value), param)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{param} must be a non-empty string", param)
+    return Guide(kind, value, param)  # type: ignore[arg-type]
 
 
 class _SamplingFields(BaseModel):
@@ -77,17 +118,19 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = Field(False, description="vLLM extension.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, description="Only 1 is supported.")
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="Choices to sample; they share the prompt's KV "
+                                                               "blocks. With a seed, choice i uses seed + i.")
     cache_salt: str | None = Field(None, description="vLLM extension: requests share cached prefixes only with the same salt.")
     # Known OpenAI parameters we refuse unless left at their defaults (see _check_unsupported).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = Field(None, description=(
+        "json_object or json_schema: the output is constrained to it (xgrammar token masks). vLLM's guided_json, "
+        "guided_regex, guided_choice, guided_grammar and structured_outputs {json|regex|choice|grammar} also work."))
 
     def _check_unsupported(self, extra: dict[str, Any]) -> None:
-        if self.n not in (None, 1):
-            raise invalid(f"n={self.n} is not supported: this server returns exactly one choice per request (n=1)", "n")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -111,10 +154,38 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=bool(self.ignore_eos),
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                n=self.n or 1,
+                guide=self.guide(),
                 **self.logprob_params(),
             )
         except InvalidRequestError as e:
             raise invalid(str(e), e.param) from None
+
+    def guide(self) -> Guide | None:
+        """The structured-output constraint, from whichever one field sets it."""
+        extra = self.model_extra or {}
+        found: list[Guide] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(Guide("json_object", param="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise invalid("response_format of type json_schema needs json_schema.schema", "response_format")
+            found.append(_guide("json_schema", rf.json_schema.schema_, "response_format"))
+        for key, kind in _GUIDE_FIELDS.items():
+            if extra.get(key) is not None:
+                found.append(_guide(kind, extra[key], key))
+        so = extra.get("structured_outputs")
+        if so is not None:
+            if not isinstance(so, dict):
+                raise invalid("structured_outputs must be an object", "structured_outputs")
+            for key, kind in _STRUCTURED_KEYS.items():
+                if so.get(key) is not None:
+                    found.append(_guide(kind, so[key], "structured_outputs"))
+        if len(found) > 1:
+            raise invalid(f"only one output constraint may be set, got {', '.join(g.param for g in found)}",
+                          found[1].param)
+        return found[0] if found else None
 
     def logprob_params(self) -> dict[str, Any]:
         """The SamplingParams fields of logprobs and echo, which the endpoints spell differently."""
@@ -132,10 +203,6 @@ _UNSUPPORTED_IF_SET: dict[str, tuple] = {
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
     "prompt_logprobs": (None, 0),
     "use_beam_search": (None, False),
     "min_tokens": (None, 0),
@@ -246,10 +313,12 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, last: RequestOutput) -> UsageInfo:
-        """The usage of a request, from its finishing delta."""
-        return cls(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
-                   total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+    def of(cls, last: RequestOutput, *others: RequestOutput) -> UsageInfo:
+        """The usage of a request, from its finishing delta (and its other choices' with n > 1: their tokens add
+        up, the prompt counts once)."""
+        out = last.num_output_tokens + sum(o.num_output_tokens for o in others)
+        return cls(prompt_tokens=last.num_prompt_tokens, completion_tokens=out,
+                   total_tokens=last.num_prompt_tokens + out,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens))
 
 
