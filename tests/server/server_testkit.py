@@ -127,6 +127,8 @@ class FakeEngine:
         self._same_thread()
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):  # chat with tools
+            prompt = prompt["messages"]
         if prompt and isinstance(prompt[0], dict):
             return self.tokenizer.apply_chat_template(prompt), None
         if any(t >= 1000 for t in prompt):

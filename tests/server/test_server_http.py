@@ -161,7 +161,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "w " * 300}]}), 400, "messages",
      "maximum context length is 256 tokens"),
     ("/v1/chat/completions", json.dumps({"messages": CHAT, "tools": [{"type": "function"}]}), 400, "tools",
-     "not supported"),
+     "tools.0.function: Field required"),
     ("/v1/nothing-here", "{}", 404, None, "Not Found"),
 ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import replace
@@ -26,7 +27,7 @@ from inferlab.spec import StepContext, make_proposer
 
 log = logging.getLogger("inferlab.engine")
 
-Prompt = str | list[int] | list[dict]
+Prompt = str | list[int] | list[dict] | dict  # dict: {"prompt_token_ids"} or {"messages", "tools"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,9 +105,12 @@ class LLMEngine:
             prompt = list(prompt["prompt_token_ids"])
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        tools = None
+        if isinstance(prompt, dict) and "messages" in prompt:  # chat with tools: {"messages": [...], "tools": [...]}
+            prompt, tools = prompt["messages"], prompt.get("tools")
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             try:
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                text = self._render_chat(prompt, tools)
             except Exception as e:  # jinja raises TemplateError, KeyError, TypeError... on malformed messages
                 raise InvalidRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from e
             return self.tokenizer.encode(text, add_special_tokens=False), text
@@ -117,6 +121,18 @@ class LLMEngine:
                 raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary range [0, {vocab})", "prompt")
             return list(prompt), None
         raise InvalidRequestError("a prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The chat template's text. Tools go to the template; one that ignores them (renders the same text
+        without) gets them as a leading system message naming each function and its JSON schema instead."""
+        render = self.tokenizer.apply_chat_template
+        text = render(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        if tools and text == render(messages, tokenize=False, add_generation_prompt=True):
+            listing = "\n".join(json.dumps(t["function"]) for t in tools)
+            note = {"role": "system", "content": "You may call these functions. To call one, answer with "
+                                                 '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.\n' + listing}
+            text = render([note, *messages], tokenize=False, add_generation_prompt=True)
+        return text
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> int:

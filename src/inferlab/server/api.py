@@ -36,8 +36,10 @@ from inferlab.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferlab.server.protocol import (SSE_DONE, APIError, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatChoice, ChatStreamChoice, AssistantMessage,
                                       CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-                                      DeltaMessage, ErrorResponse, ModelCard, ModelList, RoleDelta, UsageInfo, sse,
+                                      DeltaFunctionCall, DeltaMessage, DeltaToolCall, ErrorResponse, FunctionCall,
+                                      ModelCard, ModelList, RoleDelta, ToolCall, ToolCallsDelta, UsageInfo, sse,
                                       sse_with_text)
+from inferlab.server.tools import ToolPlan, new_call_id
 
 
 @dataclass(slots=True)
@@ -144,7 +146,7 @@ class OpenAIServer:
 
     async def events(self, stream: RequestStream, chunk: Callable[..., CompletionChunk | ChatCompletionChunk],
                      first: str | None, include_usage: bool,
-                     detailed: Callable[[RequestOutput], CompletionChunk | ChatCompletionChunk] | None = None,
+                     detailed: Callable[[RequestOutput], CompletionChunk | ChatCompletionChunk | None] | None = None,
                      ) -> AsyncIterator[str]:
         """SSE lines: `first`, one chunk per engine delta that has text, the last with its finish_reason, the usage
         chunk when asked for, then [DONE]. `chunk(text, finish_reason=None, stop_reason=None)` builds one chunk.
@@ -160,7 +162,8 @@ class OpenAIServer:
                 if out.finished:
                     finished.append(out)
                 if detailed is not None:
-                    yield sse(detailed(out))
+                    if (c := detailed(out)) is not None:  # None: held back (a tool call known only when whole)
+                        yield sse(c)
                 elif out.new_text:
                     yield token_line(out.new_text)
             last = detailed(out) if detailed is not None else chunk(out.new_text, out.finish_reason, out.stop_reason)
@@ -359,12 +362,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
 
         detailed = None
         first = sse(chunk("", role="assistant"))
-        if body.logprobs or stream.num_choices > 1:
-            def detailed(out: RequestOutput) -> ChatCompletionChunk:
+        plan = body.tool_plan()
+        if body.logprobs or stream.num_choices > 1 or plan is not None:
+            tool_deltas = _ToolCallDeltas(plan) if plan is not None else None
+
+            def detailed(out: RequestOutput) -> ChatCompletionChunk | None:
+                delta = DeltaMessage(content=out.new_text)
+                finish = out.finish_reason if out.finished else None
+                if tool_deltas is not None:
+                    if (d := tool_deltas(out)) is None:
+                        return None
+                    delta, finish = d
                 return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[ChatStreamChoice(
-                    index=out.index, delta=DeltaMessage(content=out.new_text),
+                    index=out.index, delta=delta, finish_reason=finish,
                     logprobs=chat_logprobs(out.logprobs or []) if body.logprobs else None,
-                    finish_reason=out.finish_reason if out.finished else None,
                     stop_reason=out.stop_reason if out.finished else None)])
 
             first = "".join(sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[
@@ -374,11 +385,51 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
         return _EventStream(s.events(stream, chunk, first, body.include_usage, detailed))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)
+    plan = body.tool_plan()
+    choices = []
+    for text, last in done:
+        message, finish = AssistantMessage(content=text), last.finish_reason
+        calls = plan.calls(text) if plan is not None and last.finish_reason != "length" else None
+        if calls:
+            message = AssistantMessage(content=None, tool_calls=[
+                ToolCall(id=new_call_id(), function=FunctionCall(name=n, arguments=a)) for n, a in calls])
+            finish = "stop" if plan.mode == "named" else "tool_calls"  # type: ignore[union-attr]
+        choices.append(ChatChoice(index=last.index, message=message, finish_reason=finish,
+                                  stop_reason=last.stop_reason,
+                                  logprobs=chat_logprobs(last.logprobs or []) if body.logprobs else None))
     return ChatCompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(*(last for _, last in done)),
-                                  choices=[ChatChoice(
-        index=last.index, message=AssistantMessage(content=text), finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason, logprobs=chat_logprobs(last.logprobs or []) if body.logprobs else None)
-        for text, last in done])
+                                  choices=choices)
+
+
+class _ToolCallDeltas:
+    """A chat stream's deltas under tools (server/tools.py): a named function's arguments stream as they are
+    generated; a required or auto output is held and sent whole at its end, as tool calls or as content."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.text: dict[int, str] = {}
+        self.call_ids: dict[int, str] = {}
+
+    def __call__(self, out: RequestOutput) -> tuple[DeltaMessage | ToolCallsDelta, str | None] | None:
+        plan, i = self.plan, out.index
+        finish = out.finish_reason if out.finished else None
+        if plan.streams_arguments:
+            fn = DeltaFunctionCall(arguments=out.new_text)
+            call = DeltaToolCall(function=fn)
+            if i not in self.call_ids:
+                self.call_ids[i] = call.id = new_call_id()
+                call.type, fn.name = "function", plan.name
+            return ToolCallsDelta(tool_calls=[call]), finish
+        self.text[i] = self.text.get(i, "") + out.new_text
+        if not out.finished:
+            return None
+        text = self.text.pop(i)
+        calls = plan.calls(text) if out.finish_reason != "length" else None
+        if not calls:
+            return DeltaMessage(content=text), finish
+        return ToolCallsDelta(tool_calls=[
+            DeltaToolCall(index=k, id=new_call_id(), type="function", function=DeltaFunctionCall(name=n, arguments=a))
+            for k, (n, a) in enumerate(calls)]), "tool_calls"
 
 
 # ---------------------------------------------------------------- errors

@@ -19,6 +19,7 @@ from inferlab.engine.logprobs import MAX_LOGPROBS
 from inferlab.engine.outputs import RequestOutput
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.structured_output import Guide
+from inferlab.server.tools import ToolPlan
 
 # ---------------------------------------------------------------- errors
 
@@ -200,8 +201,6 @@ class _SamplingFields(BaseModel):
 _UNSUPPORTED_IF_SET: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "prompt_logprobs": (None, 0),
     "use_beam_search": (None, False),
@@ -271,7 +270,31 @@ class ChatMessage(BaseModel):
         m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             m["name"] = self.name
+        extra = self.model_extra or {}
+        for key in ("tool_calls", "tool_call_id"):  # a conversation that already called tools, for the template
+            if extra.get(key) is not None:
+                m[key] = extra[key]
         return m
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(..., min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -284,14 +307,48 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: how many most "
                                                                              "likely alternatives per token.")
 
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """How tools shape this request (server/tools.py); None without tools or with tool_choice none."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise invalid("tool_choice needs tools", "tool_choice")
+            return None
+        functions = {t.function.name: t.function.parameters for t in self.tools}
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in functions:
+                raise invalid(f"tool_choice names the function `{choice.function.name}`, which is not among the "
+                              f"tools ({', '.join(functions)})", "tool_choice")
+            return ToolPlan("named", functions, choice.function.name)
+        mode: Any = choice or "auto"
+        return ToolPlan(mode, functions, parallel=self.parallel_tool_calls is not False)
+
+    def guide(self) -> Guide | None:
+        own = super().guide()
+        plan = self.tool_plan()
+        forced = plan.guide if plan is not None else None
+        if own is not None and plan is not None and forced is not None:
+            raise invalid(f"{own.param} cannot be combined with tool_choice {plan.mode} (it constrains the "
+                          f"output to the function's arguments)", own.param)
+        return own or forced
+
     def logprob_params(self) -> dict[str, Any]:
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
-    def check(self) -> list[dict]:
+    def check(self) -> list[dict] | dict[str, Any]:
         self._check_unsupported(self.model_extra or {})
-        return [m.to_template() for m in self.messages]
+        messages = [m.to_template() for m in self.messages]
+        if self.tools:  # the engine renders them with the chat template (LLMEngine.tokenize_prompt)
+            return {"messages": messages, "tools": [t.model_dump(exclude_none=True) for t in self.tools]}
+        return messages
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -322,7 +379,7 @@ class UsageInfo(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens))
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -376,9 +433,21 @@ class CompletionChunk(CompletionResponse):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Choice):
@@ -406,8 +475,25 @@ class RoleDelta(BaseModel):
     content: str = ""
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    index: int = 0
+    id: str | None = None  # on the first delta of a call, with type and name
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class ToolCallsDelta(BaseModel):
+    content: str | None = None
+    tool_calls: list[DeltaToolCall]
+
+
 class ChatStreamChoice(_Choice):
-    delta: RoleDelta | DeltaMessage
+    delta: RoleDelta | DeltaMessage | ToolCallsDelta
     logprobs: ChatLogprobs | None = None  # type: ignore[assignment]
 
 
