@@ -89,6 +89,7 @@ class _Req:
     metrics: RequestMetrics
     generated: int = 0
     text: str = ""
+    index: int = 0  # the choice, with n > 1
 
 
 @dataclass
@@ -128,6 +129,8 @@ class FakeEngine:
     def tokenize_prompt(self, prompt) -> tuple[list[int], str | None]:  # any thread, as the contract says
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, dict):  # chat with tools
+            prompt = prompt["messages"]
         if prompt and isinstance(prompt[0], dict):
             return self.tokenizer.apply_chat_template(prompt), None
         if any(t >= 1000 for t in prompt):
@@ -144,18 +147,17 @@ class FakeEngine:
                                       f"of {self.max_model_len} tokens", "prompt")
         self.added.append((request_id, prompt, params, cache_salt))
         arrival = time.perf_counter() if arrival_time is None else arrival_time
-        self.waiting.append(_Req(request_id, n, params, RequestMetrics(arrival)))
+        self.waiting.extend(_Req(request_id, n, params, RequestMetrics(arrival), index=i) for i in range(params.n))
         return n
 
     def abort(self, request_id: str) -> bool:
         self._same_thread()
-        for q in (self.running, self.waiting):
-            for r in q:
-                if r.request_id == request_id:
-                    q.remove(r)
-                    self.aborted.append(request_id)
-                    return True
-        return False
+        found = [r for q in (self.running, self.waiting) for r in q if r.request_id == request_id]
+        for r in found:
+            (self.running if r in self.running else self.waiting).remove(r)
+        if found:
+            self.aborted.append(request_id)
+        return bool(found)
 
     def has_work(self) -> bool:
         self._same_thread()
@@ -187,7 +189,8 @@ class FakeEngine:
                 r.metrics.finished_time = now
                 self.running.remove(r)
             outs.append(RequestOutput(r.request_id, [r.generated], piece, finished, "length" if finished else None,
-                                      None, r.num_prompt, r.generated, 0, None, r.metrics if finished else None))
+                                      None, r.num_prompt, r.generated, 0, None, r.metrics if finished else None,
+                                      index=r.index))
         self.num_steps += 1
         self.last_step_time = time.perf_counter() - t0
         return outs

@@ -248,7 +248,7 @@ BAD = [
      "maximum context length"),
     ("/v1/chat/completions", '{"messages": [{"role": "user"', 400, None, "malformed JSON"),
     ("/v1/chat/completions", json.dumps({"messages": CHAT, "model": "llama-70b"}), 404, "model", "does not exist"),
-    ("/v1/chat/completions", json.dumps({"messages": CHAT, "n": 2}), 400, "n", "n=2"),
+    ("/v1/chat/completions", json.dumps({"messages": CHAT, "n": 65}), 400, "n", "less than or equal to 64"),
     ("/v1/chat/completions", json.dumps({"messages": CHAT, "max_tokens": -1}), 400, "max_tokens", "max_tokens"),
     ("/v1/chat/completions", json.dumps({"model": "SmolLM2-135M-Instruct"}), 400, "messages", "Field required"),
 ]

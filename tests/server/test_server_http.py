@@ -136,13 +136,15 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"max_tokens": 3}', 400, "prompt", "prompt: Field required"),
     ("/v1/completions", '{"prompt": 5}', 400, "prompt", "string or a list of token ids"),
     ("/v1/completions", '{"prompt": "a", "max_tokens": "many"}', 400, "max_tokens", "valid integer"),
-    ("/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "max_tokens", "greater than or equal to 1"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": -1}', 400, "max_tokens", "greater than or equal to 0"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "max_tokens", "needs echo=true and logprobs"),
     ("/v1/completions", '{"prompt": "a", "temperature": -1}', 400, "temperature", "temperature"),
     ("/v1/completions", '{"prompt": "a", "top_p": 0}', 400, "top_p", "top_p"),
     ("/v1/completions", '{"prompt": "a", "stop": [""]}', 400, "stop", "non-empty"),
-    ("/v1/completions", '{"prompt": "a", "n": 3}', 400, "n", "n=3 is not supported"),
-    ("/v1/completions", '{"prompt": "a", "logprobs": 2}', 400, "logprobs", "logprobs is not supported"),
-    ("/v1/completions", '{"prompt": "a", "echo": true}', 400, "echo", "echo is not supported"),
+    ("/v1/completions", '{"prompt": "a", "n": 0}', 400, "n", "greater than or equal to 1"),
+    ("/v1/completions", '{"prompt": "a", "logprobs": 21}', 400, "logprobs", "less than or equal to 20"),
+    ("/v1/chat/completions", json.dumps({"messages": CHAT, "top_logprobs": 3}), 400, "top_logprobs",
+     "needs logprobs set to true"),
     ("/v1/completions", '{"prompt": "a", "presence_penalty": 0.5}', 400, "presence_penalty", "not supported"),
     ("/v1/completions", '{"prompt": ["a", "b"]}', 400, "prompt", "batch of 2 prompts"),
     ("/v1/completions", '{"prompt": []}', 400, "prompt", "empty"),
@@ -159,7 +161,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "w " * 300}]}), 400, "messages",
      "maximum context length is 256 tokens"),
     ("/v1/chat/completions", json.dumps({"messages": CHAT, "tools": [{"type": "function"}]}), 400, "tools",
-     "not supported"),
+     "tools.0.function: Field required"),
     ("/v1/nothing-here", "{}", 404, None, "Not Found"),
 ]
 
@@ -187,8 +189,8 @@ def test_bad_input_gets_an_openai_error_then_a_good_request_succeeds(shared_fake
 
 def test_bad_input_through_the_openai_client_raises_its_typed_errors(fake_server):
     c = _client(fake_server())
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        c.chat.completions.create(model="fake-model", messages=CHAT, n=2)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 64"):
+        c.chat.completions.create(model="fake-model", messages=CHAT, n=65)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         c.chat.completions.create(model="nope", messages=CHAT)
     assert c.chat.completions.create(model="fake-model", messages=CHAT, max_tokens=1).choices[0].message.content
@@ -411,3 +413,15 @@ def test_serve_refuses_bad_options_with_a_clear_message(argv, words, capsys):
     cli.add_arguments(parser)
     assert cli.run(parser.parse_args(argv)) == 2
     assert words in capsys.readouterr().err
+
+
+def test_n_choices_each_finish_with_their_index(fake_server):
+    c = _client(fake_server())
+    r = c.completions.create(model="fake-model", prompt="a b", n=3, max_tokens=2)
+    assert [(ch.index, ch.text, ch.finish_reason) for ch in r.choices] == [(i, " w0 w1", "length") for i in range(3)]
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 2
+    seen: dict[int, str] = {}
+    for ch in c.chat.completions.create(model="fake-model", messages=CHAT, n=2, max_tokens=2, stream=True):
+        for choice in ch.choices:
+            seen[choice.index] = seen.get(choice.index, "") + (choice.delta.content or "")
+    assert seen == {0: " w0 w1", 1: " w0 w1"}

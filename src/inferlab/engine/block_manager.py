@@ -71,8 +71,9 @@ class BlockManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq's tokens. At least the last token stays uncomputed,
-        because its logits are needed to sample."""
-        if not self.enable_prefix_caching:
+        because its logits are needed to sample. A request that wants prompt logprobs gets no hits: it needs the
+        logits of every prompt position, so it computes them all (its blocks still enter the cache for others)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

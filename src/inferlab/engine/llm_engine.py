@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -12,6 +14,7 @@ from inferlab.engine.config import EngineConfig
 from inferlab.engine.cpu_threads import ThreadAdapter, make_adapter
 from inferlab.engine.detokenizer import Detokenizer
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.logprobs import TokenLogprob, token_logprobs
 from inferlab.engine.model_runner import ModelRunner, StepInputs
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from inferlab.common.host_memory import available_memory, keep_step_buffers
@@ -19,12 +22,13 @@ from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
 from inferlab.engine.sequence import Sequence
+from inferlab.engine.structured_output import StructuredOutput
 from inferlab.models.loader import load_model, load_tokenizer
 from inferlab.spec import StepContext, make_proposer
 
 log = logging.getLogger("inferlab.engine")
 
-Prompt = str | list[int] | list[dict]
+Prompt = str | list[int] | list[dict] | dict  # dict: {"prompt_token_ids"} or {"messages", "tools"}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -93,6 +97,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._forks: dict[str, Sequence] = {}  # n > 1 requests whose choice 0 is still computing the prompt
+        self._structured_output: StructuredOutput | None = None  # built on the first request with a guide
         self.proposer = make_proposer(config, self.runner, self.tokenizer)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
@@ -109,9 +115,12 @@ class LLMEngine:
             prompt = list(prompt["prompt_token_ids"])
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        tools = None
+        if isinstance(prompt, dict) and "messages" in prompt:  # chat with tools: {"messages": [...], "tools": [...]}
+            prompt, tools = prompt["messages"], prompt.get("tools")
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             try:
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+                text = self._render_chat(prompt, tools)
             except Exception as e:  # jinja raises TemplateError, KeyError, TypeError... on malformed messages
                 raise InvalidRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from e
             return self.tokenizer.encode(text, add_special_tokens=False), text
@@ -122,6 +131,18 @@ class LLMEngine:
                 raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary range [0, {vocab})", "prompt")
             return list(prompt), None
         raise InvalidRequestError("a prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
+
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The chat template's text. Tools go to the template; one that ignores them (renders the same text
+        without) gets them as a leading system message naming each function and its JSON schema instead."""
+        render = self.tokenizer.apply_chat_template
+        text = render(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        if tools and text == render(messages, tokenize=False, add_generation_prompt=True):
+            listing = "\n".join(json.dumps(t["function"]) for t in tools)
+            note = {"role": "system", "content": "You may call these functions. To call one, answer with "
+                                                 '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.\n' + listing}
+            text = render([note, *messages], tokenize=False, add_generation_prompt=True)
+        return text
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> int:
@@ -140,15 +161,54 @@ class LLMEngine:
                 f"lower max_tokens", "prompt" if n >= self.max_model_len else "max_tokens")
         seq = Sequence(request_id, token_ids, params, RequestMetrics(arrival_time or time.perf_counter()),
                        cache_salt=cache_salt, prompt_text=text)
+        if params.guide is not None:
+            seq.grammar = self.structured_output.matcher(params.guide)
         if params.seed is not None:
             g = torch.Generator(device=self.device)
             g.manual_seed(params.seed)
             self._generators[request_id] = g
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+        if params.n > 1:
+            self._forks[request_id] = seq
         return n
 
+    @property
+    def structured_output(self) -> StructuredOutput:
+        if self._structured_output is None:
+            self._structured_output = StructuredOutput(self.tokenizer, self.model_config.vocab_size,
+                                                       sorted(self.eos_token_ids))
+        return self._structured_output
+
+    def _fork(self, parent: Sequence) -> None:
+        """Choices 1..n-1 of an n > 1 request, queued once choice 0 has computed the prompt, so that they share its
+        KV blocks: the full blocks through the prefix cache (ref-counted, never written again), and the last,
+        partial block recomputed by each choice (under block_size tokens, against copying a block of every layer's
+        K/V, which the pool has no kernel for; it also gives each choice the logits of the prompt's last token to
+        draw its own first token from). Choice i is seeded with seed + i, so n = 4 with seed s samples exactly what
+        four requests with seeds s..s+3 would. Without prefix caching each choice computes the whole prompt."""
+        p = parent.params
+        children = []
+        for i in range(1, p.n):
+            rid = f"{parent.request_id}#{i}"
+            params = replace(p, seed=None if p.seed is None else p.seed + i, n=1)
+            seq = Sequence(rid, list(parent.prompt_token_ids), params, RequestMetrics(parent.metrics.arrival_time),
+                           cache_salt=parent.cache_salt, prompt_text=parent.prompt_text,
+                           group_id=parent.request_id, index=i)
+            if params.guide is not None:
+                seq.grammar = self.structured_output.matcher(params.guide)
+            if params.seed is not None:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(params.seed)
+                self._generators[rid] = g
+            self.requests[rid] = seq
+            children.append(seq)
+        self.scheduler.add_first(children)
+
     def abort(self, request_id: str) -> bool:
+        if self._forks.pop(request_id, None) is None:  # else its other choices were never forked
+            for rid in [r for r in self.requests if r.startswith(request_id + "#")]:
+                self.abort(rid)  # the other choices of an n > 1 request
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -179,6 +239,14 @@ class LLMEngine:
         inputs = self.runner.prepare(batch, [self.block_manager.table(s.request_id) for s in batch.seqs])
         logits = self.runner.execute(inputs)
         seqs = inputs.sample_seqs
+        if inputs.prompt_spans:
+            self._collect_prompt_logprobs(logits[inputs.num_sample_rows:], inputs.prompt_spans)
+            logits = logits[:inputs.num_sample_rows] if seqs else None
+        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        if want_logprobs:  # normalised before sampling: a verifier may work on the logits in place
+            row_logits = self._logprob_rows(logits, inputs.logits_per_seq, seqs)
+        if logits is not None and self._structured_output is not None:
+            self._apply_grammars(logits, inputs.logits_per_seq, seqs)
         failed: dict[Sequence, tuple[str, BaseException]] = {}
         sampled = [] if logits is None else self._sample(logits, inputs, failed)
         if failed:  # they leave now, so their blocks are neither cached nor trimmed
@@ -189,13 +257,17 @@ class LLMEngine:
         self.scheduler.update_from_output(batch, dict(zip(seqs, sampled)))
         now = time.perf_counter()
         outputs = [self._fail(seq, stage, error, now) for seq, (stage, error) in failed.items()]
+        lps = {}
+        if want_logprobs:
+            lps = self._sampled_logprobs({s: r for s, r in row_logits.items() if s not in failed}, sampled, seqs)
         for seq, new_tokens in zip(seqs, sampled):
             try:  # free when nothing raises (3.11+): the isolation costs the hot loop nothing
-                outputs.append(self._append_tokens(seq, new_tokens, now))
+                outputs.append(self._append_tokens(seq, new_tokens, now, lps.get(seq)))
             except Exception as e:  # noqa: BLE001 - detokenizing or a stop check failed for this request alone
                 outputs.append(self._fail(seq, "detokenize", e, now))
         if self.proposer is not None:
-            self.scheduler.set_proposals(self.proposer.propose(self.scheduler.running, self._step_context()))
+            proposals = self.proposer.propose(self.scheduler.running, self._step_context())
+            self.scheduler.set_proposals({s: t for s, t in proposals.items() if s.grammar is None})
         return outputs
 
     def _sample(self, logits: torch.Tensor, inputs: StepInputs,
@@ -243,6 +315,53 @@ class LLMEngine:
                              num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
                              error=f"{type(error).__name__}: {error}", error_stage=stage, metrics=seq.metrics)
 
+    def _apply_grammars(self, logits: torch.Tensor, per_seq: list[int], seqs: list[Sequence]) -> None:
+        rows, matchers, row = [], [], 0
+        for s, n in zip(seqs, per_seq):
+            if s.grammar is not None:  # one row: guided requests get no proposals
+                rows.append(row)
+                matchers.append(s.grammar)
+            row += n
+        if rows:
+            self.structured_output.apply(logits, rows, matchers)
+
+    # -- logprobs (engine/logprobs.py) -------------------------------------------------------------------------
+    @staticmethod
+    def _logprob_rows(logits: torch.Tensor, per_seq: list[int], seqs: list[Sequence]) -> dict[Sequence, torch.Tensor]:
+        """The logits rows of each sequence that wants logprobs (a copy: indexing gathers)."""
+        offsets = [0]
+        for n in per_seq:
+            offsets.append(offsets[-1] + n)
+        return {s: logits[offsets[i]:offsets[i + 1]].clone() for i, s in enumerate(seqs) if s.params.logprobs is not None}
+
+    def _sampled_logprobs(self, rows: dict[Sequence, torch.Tensor], sampled: list[list[int]],
+                          seqs: list[Sequence]) -> dict[Sequence, list[TokenLogprob]]:
+        """Row j of a sequence's rows predicted its j-th new token (accepted proposals, then the sampled one); all
+        sequences' rows go through one batched log_softmax."""
+        new = dict(zip(seqs, sampled))
+        order = [s for s in rows if new[s]]
+        if not order:
+            return {}
+        logits = torch.cat([rows[s][:len(new[s])] for s in order])
+        toks = [t for s in order for t in new[s]]
+        ks = [s.params.logprobs for s in order for _ in new[s]]
+        entries = token_logprobs(logits, toks, ks, self.tokenizer)
+        out, i = {}, 0
+        for s in order:
+            out[s] = entries[i:i + len(new[s])]
+            i += len(new[s])
+        return out
+
+    def _collect_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> None:
+        toks = [t for s, lo, n in spans for t in s.token_ids[lo + 1:lo + 1 + n]]
+        ks = [s.params.prompt_logprobs for s, _, n in spans for _ in range(n)]
+        entries = token_logprobs(logits, toks, ks, self.tokenizer)
+        i = 0
+        for s, lo, n in spans:
+            assert len(s.prompt_logprobs) == lo, "prompt logprobs must be collected in position order"
+            s.prompt_logprobs.extend(entries[i:i + n])
+            i += n
+
     def _step_context(self) -> StepContext:
         sched = self.scheduler
         return StepContext(waiting_tokens=sum(s.num_tokens for s in sched.waiting),
@@ -250,11 +369,17 @@ class LLMEngine:
                            generators=self._generators, block_table=self.block_manager.table,
                            allocate=self.block_manager.allocate)
 
-    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float) -> RequestOutput:
+    def _append_tokens(self, seq: Sequence, new_tokens: list[int], now: float,
+                       logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         p = seq.params
         appended: list[int] = []
         old_len = len(seq.output_text)
+        if p.max_tokens == 0:  # scoring the prompt only: its logprobs are in, the sampled token is dropped
+            new_tokens = []
+            seq.finish_reason = "length"
         for tok in new_tokens:
+            if seq.grammar is not None and not seq.grammar.accept_token(tok):
+                log.warning("request %s: token %d was sampled outside its grammar", seq.request_id, tok)
             seq.token_ids.append(tok)
             appended.append(tok)
             seq.metrics.token_times.append(now)
@@ -279,10 +404,14 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
             self._generators.pop(seq.request_id, None)
         self.stats_counters.generation_tokens_total += len(appended)
-        if seq.num_output_tokens == len(appended):
+        first = seq.num_output_tokens == len(appended)
+        if first:
             self.stats_counters.prompt_tokens_total += seq.num_prompt_tokens
-        return RequestOutput(
-            request_id=seq.request_id,
+            if self._forks.pop(seq.request_id, None) is not None:
+                self._fork(seq)
+        out = RequestOutput(
+            request_id=seq.group_id or seq.request_id,
+            index=seq.index,
             new_token_ids=appended,
             new_text=self.detokenizer.take_new_text(seq, finished),
             finished=finished,
@@ -293,6 +422,15 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             metrics=seq.metrics if finished else None,
         )
+        if p.logprobs is not None:
+            out.logprobs = (logprobs or [])[:len(appended)]
+        if first and p.prompt_logprobs is not None:
+            t0 = seq.prompt_token_ids[0]
+            out.prompt_logprobs = [TokenLogprob(t0, self.tokenizer.decode([t0]), None), *seq.prompt_logprobs]
+        if first and p.echo:
+            out.prompt_text = (seq.prompt_text if seq.prompt_text is not None
+                               else self.tokenizer.decode(seq.prompt_token_ids))
+        return out
 
     # -- observability ----------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +22,13 @@ class StepInputs:
     logits_index: torch.Tensor  # rows of the flat batch whose logits are needed
     sample_seqs: list[Sequence]  # sequences that reach their last known token this step and so sample
     logits_per_seq: list[int]  # rows each of them gets (1, or 1 + proposals when verifying)
+    # Prompt positions whose logits a prompt-logprobs request needs: (sequence, first position, count). Their rows
+    # follow the sampling rows in logits_index.
+    prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return sum(self.logits_per_seq)
 
 
 class ModelRunner:
@@ -58,6 +65,7 @@ class ModelRunner:
                 sample_seqs.append(s)
                 per_seq.append(k + 1)
                 rows.extend(range(int(ends[i]) - k - 1, int(ends[i])))
+        spans = self._prompt_logprob_rows(seqs, starts, lens, ends, rows)
         dev = self.device
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -66,7 +74,26 @@ class ModelRunner:
             logits_index=torch.tensor(rows, dtype=torch.long, device=dev),
             sample_seqs=sample_seqs,
             logits_per_seq=per_seq,
+            prompt_spans=spans,
         )
+
+    @staticmethod
+    def _prompt_logprob_rows(seqs: list[Sequence], starts: np.ndarray, lens: np.ndarray, ends: np.ndarray,
+                             rows: list[int]) -> list[tuple[Sequence, int, int]]:
+        """Append to `rows` the flat rows of prompt positions p (predicting token p + 1 < prompt length) that a
+        prompt-logprobs request has not collected yet; chunked prefill collects them over several steps, and a
+        preempted request's recompute skips what it already has."""
+        spans = []
+        for i, s in enumerate(seqs):
+            if s.params.prompt_logprobs is None:
+                continue
+            c = int(starts[i])
+            lo, hi = max(c, len(s.prompt_logprobs)), min(c + int(lens[i]), s.num_prompt_tokens - 1)
+            if hi > lo:
+                first_row = int(ends[i] - lens[i]) + lo - c
+                rows.extend(range(first_row, first_row + hi - lo))
+                spans.append((s, lo, hi - lo))
+        return spans
 
     def layout(self, block_tables: list[list[int]], starts: np.ndarray, lens: np.ndarray,
                num_decodes: int) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -121,9 +148,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Run the forward pass; return float32 logits for inputs.logits_index rows (None if nobody samples)."""
+        """Run the forward pass; return float32 logits for inputs.logits_index rows (None if there are none)."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        if not inputs.sample_seqs:
+        if not inputs.sample_seqs and not inputs.prompt_spans:
             return None
         return self.model.compute_logits(hidden[inputs.logits_index])
 

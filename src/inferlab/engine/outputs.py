@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from inferlab.engine.logprobs import TokenLogprob
+
 
 @dataclass(slots=True)
 class RequestMetrics:
@@ -49,6 +51,11 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what failed, for the client
     metrics: RequestMetrics | None = None  # set on the finishing delta
     error_stage: str | None = None  # with finish_reason "error": "sample" | "detokenize" (server: "tokenize", ...)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked (params.logprobs)
+    # On the first delta only, when asked: one per prompt token (the first with logprob None).
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None  # on the first delta, when params.echo
+    index: int = 0  # the choice (n > 1): each choice has its own deltas, the last with finished=True
 
 
 @dataclass(slots=True)

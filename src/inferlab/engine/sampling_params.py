@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.logprobs import MAX_LOGPROBS
+from inferlab.engine.structured_output import Guide
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS). Dividing logits by a smaller temperature overflows
 # float32 (1e-300 is 0 in float32, and logits / 0 are inf, whose softmax is NaN), and long before that the tempered
@@ -27,6 +29,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Log-probabilities (engine/logprobs.py): None = not computed; k >= 0 = the token's own plus its k most likely
+    # alternatives, for each sampled token (logprobs) and each prompt token but the first (prompt_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    echo: bool = False  # the first delta carries the prompt's text
+    # Parallel samples of one prompt (choices); choice i draws from seed + i when seeded (llm_engine.py, _fork).
+    n: int = 1
+    guide: Guide | None = None  # structured output: what the text must match (engine/structured_output.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,8 +55,18 @@ class SamplingParams:
         """Raises InvalidRequestError naming the first bad field. With vocab_size (the engine knows it), top_k and
         stop_token_ids are also checked against the vocabulary: a value the sampler's int64 tensors cannot hold
         must never reach them."""
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
+        if not _is_int(self.max_tokens) or not 0 <= self.max_tokens <= INT64_MAX:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            # Scoring a prompt (echo + logprobs, lm-evaluation-harness's loglikelihood) is the one use of 0 tokens.
+            raise InvalidRequestError("max_tokens must be an integer >= 1, got 0 (0 is allowed only with prompt "
+                                      "logprobs: echo with logprobs)", "max_tokens")
+        if not _is_int(self.n) or not 1 <= self.n <= INT64_MAX:
+            raise InvalidRequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
                                       "temperature")

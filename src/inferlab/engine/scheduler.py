@@ -54,6 +54,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_first(self, seqs: list[Sequence]) -> None:
+        """Queue ahead of the others: the forked choices of a request whose prompt blocks were just cached."""
+        self.waiting.extendleft(reversed(seqs))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

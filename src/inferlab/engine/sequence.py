@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferlab.engine.outputs import RequestMetrics
 from inferlab.engine.sampling_params import SamplingParams
@@ -25,6 +26,9 @@ class Sequence:
     metrics: RequestMetrics
     cache_salt: str | None = None
     prompt_text: str | None = None
+    group_id: str | None = None  # choice `index` > 0 of request `group_id` (n > 1); its outputs carry that id
+    index: int = 0
+    grammar: Any = None  # the structured-output matcher (engine/structured_output.py), when params.guide is set
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -35,6 +39,8 @@ class Sequence:
     spec_accepted: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Prompt logprobs collected so far (entry j: the token at position j + 1), over one or more prefill chunks.
+    prompt_logprobs: list = field(default_factory=list)
     # Detokenizer state (see detokenizer.py).
     output_text: str = ""
     emitted_text_len: int = 0

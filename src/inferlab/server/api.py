@@ -32,12 +32,15 @@ from inferlab.server.async_engine import (TIMED_OUT, AsyncEngine, EngineDeadErro
                                           RequestFailed, RequestStream, ShuttingDown)
 from inferlab.server.http_limits import DEFAULT_MAX_REQUEST_BYTES, RequestLimits
 from inferlab.server.engine_client import EngineClient
+from inferlab.server.logprobs import CompletionLogprobsFormatter, chat_logprobs
 from inferlab.server.metrics import CONTENT_TYPE, ServerMetrics
 from inferlab.server.protocol import (SSE_DONE, APIError, invalid, ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatChoice, ChatStreamChoice, AssistantMessage,
                                       CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-                                      DeltaMessage, ErrorResponse, ModelCard, ModelList, RoleDelta, UsageInfo, sse,
+                                      DeltaFunctionCall, DeltaMessage, DeltaToolCall, ErrorResponse, FunctionCall,
+                                      ModelCard, ModelList, RoleDelta, ToolCall, ToolCallsDelta, UsageInfo, sse,
                                       sse_with_text)
+from inferlab.server.tools import ToolPlan, new_call_id
 
 
 @dataclass(slots=True)
@@ -124,7 +127,8 @@ class OpenAIServer:
         prompt = body.check()
         self._check_fits(prompt, body)
         max_tokens = body.max_output_tokens  # None: until the context is full
-        params = body.sampling_params(max_tokens or 1)  # then sized from the prompt length once tokenized
+        # None: sized from the prompt length once tokenized; 0: scoring the prompt (echo + logprobs)
+        params = body.sampling_params(1 if max_tokens is None else max_tokens)
         try:
             return await self.engine.add_request(rid, prompt, params, _cache_salt(tenant, body.cache_salt),
                                                  max_tokens is None, arrival)
@@ -147,10 +151,12 @@ class OpenAIServer:
         if (max_tokens := body.max_output_tokens) is not None and max_tokens >= self.max_model_len:
             raise invalid(f"max_tokens is {max_tokens}, but this model's maximum context length is "
                           f"{self.max_model_len} tokens, prompt included", "max_tokens")
+        if isinstance(prompt, dict):  # messages with tools (ChatCompletionRequest.check)
+            prompt = prompt["messages"]
         if isinstance(prompt, str):
             chars = len(prompt)
         elif prompt and isinstance(prompt[0], dict):
-            chars = sum(len(m["content"]) for m in prompt)
+            chars = sum(len(m.get("content") or "") for m in prompt)
         else:
             chars = 0
             if len(prompt) > self.max_model_len:
@@ -168,9 +174,9 @@ class OpenAIServer:
             raise invalid(f"stop_token_ids: token id {bad} is out of the vocabulary range [0, {self.vocab_size})",
                           "stop_token_ids")
 
-    async def collect(self, request: Request, stream: RequestStream) -> tuple[str, RequestOutput] | None:
-        """Non-streaming: the whole text and the finishing delta, or None when the client left first (the request
-        is then aborted)."""
+    async def collect(self, request: Request, stream: RequestStream) -> list[tuple[str, RequestOutput]] | None:
+        """Non-streaming: each choice's whole text and finishing delta, in choice order, or None when the client
+        left first (the request is then aborted)."""
         timer = self._start_timer(stream)
         result = asyncio.ensure_future(self._whole_text(stream))
         gone = asyncio.ensure_future(_until_disconnected(request))
@@ -185,21 +191,31 @@ class OpenAIServer:
             self.engine.abort(stream.request_id)  # no-op when it finished
 
     async def events(self, stream: RequestStream, chunk: Callable[..., CompletionChunk | ChatCompletionChunk],
-                     first: str | None, include_usage: bool) -> AsyncIterator[str]:
+                     first: str | None, include_usage: bool,
+                     detailed: Callable[[RequestOutput], CompletionChunk | ChatCompletionChunk | None] | None = None,
+                     ) -> AsyncIterator[str]:
         """SSE lines: `first`, one chunk per engine delta that has text, the last with its finish_reason, the usage
-        chunk when asked for, then [DONE]. `chunk(text, finish_reason=None, stop_reason=None)` builds one chunk."""
+        chunk when asked for, then [DONE]. `chunk(text, finish_reason=None, stop_reason=None)` builds one chunk.
+        A request that asked for more than text per token (logprobs, echo) passes `detailed(delta)`, which builds
+        each delta's whole chunk; the others keep the spliced-text fast path."""
         token_line = sse_with_text(chunk)
         timer = self._start_timer(stream)
         try:
             if first is not None:
                 yield first
-            while not (out := await self._next_output(stream)).finished:
-                if out.new_text:
+            finished: list[RequestOutput] = []  # with n > 1, each choice's last delta (`detailed` is then set)
+            while not (out := await self._next_output(stream)).finished or len(finished) + 1 < stream.num_choices:
+                if out.finished:
+                    finished.append(out)
+                if detailed is not None:
+                    if (c := detailed(out)) is not None:  # None: held back (a tool call known only when whole)
+                        yield sse(c)
+                elif out.new_text:
                     yield token_line(out.new_text)
-            last = chunk(out.new_text, out.finish_reason, out.stop_reason)
+            last = detailed(out) if detailed is not None else chunk(out.new_text, out.finish_reason, out.stop_reason)
             yield sse(last)
             if include_usage:
-                yield sse(last.model_copy(update={"choices": [], "usage": UsageInfo.of(out)}))
+                yield sse(last.model_copy(update={"choices": [], "usage": UsageInfo.of(out, *finished)}))
             yield SSE_DONE
         except APIError as e:  # the status line is long gone: the error travels as an event
             yield sse(e.body()) + SSE_DONE
@@ -208,13 +224,25 @@ class OpenAIServer:
                 timer.cancel()
             self.engine.abort(stream.request_id)  # no-op when finished; otherwise the client left or timed out
 
-    async def _whole_text(self, stream: RequestStream) -> tuple[str, RequestOutput]:
-        parts: list[str] = []
-        while True:
+    async def _whole_text(self, stream: RequestStream) -> list[tuple[str, RequestOutput]]:
+        """Per choice: the whole text, and the finishing delta carrying the choice's logprobs and first-delta
+        fields."""
+        parts: dict[int, list[str]] = {}
+        logprobs: dict[int, list] = {}
+        first: dict[int, RequestOutput] = {}
+        done: dict[int, tuple[str, RequestOutput]] = {}
+        while len(done) < stream.num_choices:
             out = await self._next_output(stream)
-            parts.append(out.new_text)
+            i = out.index
+            first.setdefault(i, out)
+            parts.setdefault(i, []).append(out.new_text)
+            logprobs.setdefault(i, []).extend(out.logprobs or ())
             if out.finished:
-                return "".join(parts), out
+                if out.logprobs is not None:
+                    out.logprobs = logprobs[i]
+                out.prompt_logprobs, out.prompt_text = first[i].prompt_logprobs, first[i].prompt_text
+                done[i] = "".join(parts[i]), out
+        return [done[i] for i in sorted(done)]
 
     async def _next_output(self, stream: RequestStream) -> RequestOutput:
         """The stream's next delta; a timeout, a dead engine or a failed request raise their APIError."""
@@ -335,12 +363,37 @@ async def completions(body: CompletionRequest, request: Request, tenant: str | N
             return CompletionChunk(id=rid, created=created, model=s.model_name, choices=[CompletionChoice(
                 text=text, finish_reason=finish_reason, stop_reason=stop_reason)])
 
-        return _EventStream(s.events(stream, chunk, None, body.include_usage))
+        detailed = None
+        if body.logprobs is not None or body.echo or stream.num_choices > 1:
+            choices: dict[int, Callable[[str, RequestOutput], CompletionChoice]] = {}
+
+            def detailed(out: RequestOutput) -> CompletionChunk:
+                choice = choices.setdefault(out.index, _completion_choice(body))
+                return CompletionChunk(id=rid, created=created, model=s.model_name,
+                                       choices=[choice(out.new_text, out)])
+
+        return _EventStream(s.events(stream, chunk, None, body.include_usage, detailed))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)  # nobody reads it: the client closed the connection
-    text, last = done
-    return CompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(last), choices=[CompletionChoice(
-        text=text, finish_reason=last.finish_reason, stop_reason=last.stop_reason)])
+    return CompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(*(last for _, last in done)),
+                              choices=[_completion_choice(body)(text, last) for text, last in done])
+
+
+def _completion_choice(body: CompletionRequest) -> Callable[[str, RequestOutput], CompletionChoice]:
+    """`(text, delta) -> choice` for one completion choice: with echo, the prompt's text (and logprobs) come
+    first, on the first delta."""
+    fmt = CompletionLogprobsFormatter() if body.logprobs is not None else None
+
+    def choice(text: str, out: RequestOutput) -> CompletionChoice:
+        entries = list(out.logprobs or [])
+        if body.echo and out.prompt_text is not None:
+            text = out.prompt_text + text
+            entries = list(out.prompt_logprobs or []) + entries
+        return CompletionChoice(index=out.index, text=text, logprobs=fmt(entries) if fmt is not None else None,
+                                finish_reason=out.finish_reason if out.finished else None,
+                                stop_reason=out.stop_reason if out.finished else None)
+
+    return choice
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
@@ -358,12 +411,76 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, tenant
                 delta=DeltaMessage(content=text) if role is None else RoleDelta(role=role, content=text),
                 finish_reason=finish_reason, stop_reason=stop_reason)])
 
-        return _EventStream(s.events(stream, chunk, sse(chunk("", role="assistant")), body.include_usage))
+        detailed = None
+        first = sse(chunk("", role="assistant"))
+        plan = body.tool_plan()
+        if body.logprobs or stream.num_choices > 1 or plan is not None:
+            tool_deltas = _ToolCallDeltas(plan) if plan is not None else None
+
+            def detailed(out: RequestOutput) -> ChatCompletionChunk | None:
+                delta = DeltaMessage(content=out.new_text)
+                finish = out.finish_reason if out.finished else None
+                if tool_deltas is not None:
+                    if (d := tool_deltas(out)) is None:
+                        return None
+                    delta, finish = d
+                return ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[ChatStreamChoice(
+                    index=out.index, delta=delta, finish_reason=finish,
+                    logprobs=chat_logprobs(out.logprobs or []) if body.logprobs else None,
+                    stop_reason=out.stop_reason if out.finished else None)])
+
+            first = "".join(sse(ChatCompletionChunk(id=rid, created=created, model=s.model_name, choices=[
+                ChatStreamChoice(index=i, delta=RoleDelta(role="assistant"), finish_reason=None)]))
+                for i in range(stream.num_choices))
+
+        return _EventStream(s.events(stream, chunk, first, body.include_usage, detailed))
     if (done := await s.collect(request, stream)) is None:
         return Response(status_code=499)
-    text, last = done
-    return ChatCompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(last), choices=[ChatChoice(
-        message=AssistantMessage(content=text), finish_reason=last.finish_reason, stop_reason=last.stop_reason)])
+    plan = body.tool_plan()
+    choices = []
+    for text, last in done:
+        message, finish = AssistantMessage(content=text), last.finish_reason
+        calls = plan.calls(text) if plan is not None and last.finish_reason != "length" else None
+        if calls:
+            message = AssistantMessage(content=None, tool_calls=[
+                ToolCall(id=new_call_id(), function=FunctionCall(name=n, arguments=a)) for n, a in calls])
+            finish = "stop" if plan.mode == "named" else "tool_calls"  # type: ignore[union-attr]
+        choices.append(ChatChoice(index=last.index, message=message, finish_reason=finish,
+                                  stop_reason=last.stop_reason,
+                                  logprobs=chat_logprobs(last.logprobs or []) if body.logprobs else None))
+    return ChatCompletionResponse(id=rid, model=s.model_name, usage=UsageInfo.of(*(last for _, last in done)),
+                                  choices=choices)
+
+
+class _ToolCallDeltas:
+    """A chat stream's deltas under tools (server/tools.py): a named function's arguments stream as they are
+    generated; a required or auto output is held and sent whole at its end, as tool calls or as content."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        self.text: dict[int, str] = {}
+        self.call_ids: dict[int, str] = {}
+
+    def __call__(self, out: RequestOutput) -> tuple[DeltaMessage | ToolCallsDelta, str | None] | None:
+        plan, i = self.plan, out.index
+        finish = out.finish_reason if out.finished else None
+        if plan.streams_arguments:
+            fn = DeltaFunctionCall(arguments=out.new_text)
+            call = DeltaToolCall(function=fn)
+            if i not in self.call_ids:
+                self.call_ids[i] = call.id = new_call_id()
+                call.type, fn.name = "function", plan.name
+            return ToolCallsDelta(tool_calls=[call]), finish
+        self.text[i] = self.text.get(i, "") + out.new_text
+        if not out.finished:
+            return None
+        text = self.text.pop(i)
+        calls = plan.calls(text) if out.finish_reason != "length" else None
+        if not calls:
+            return DeltaMessage(content=text), finish
+        return ToolCallsDelta(tool_calls=[
+            DeltaToolCall(index=k, id=new_call_id(), type="function", function=DeltaFunctionCall(name=n, arguments=a))
+            for k, (n, a) in enumerate(calls)]), "tool_calls"
 
 
 # ---------------------------------------------------------------- errors

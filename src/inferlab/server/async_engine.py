@@ -91,6 +91,8 @@ class RequestStream:
     queue: asyncio.Queue[StreamItem] = field(default_factory=asyncio.Queue)
     num_prompt_tokens: int = 0
     arrival_time: float = 0.0
+    num_choices: int = 1  # n: the stream ends when each choice has sent its finishing delta
+    num_open: int = 1  # choices whose finishing delta has not been published yet
 
     def expire(self) -> None:
         self.queue.put_nowait(TIMED_OUT)
@@ -195,7 +197,8 @@ class AsyncEngine:
         if fill_context:
             self._fill_context(ids, params)
         self._admit()  # again: the queue may have filled while we tokenized
-        stream = RequestStream(request_id, params.max_tokens, arrival_time=arrival_time)
+        stream = RequestStream(request_id, params.max_tokens, arrival_time=arrival_time,
+                               num_choices=params.n, num_open=params.n)
         future: asyncio.Future[int] = self._loop.create_future()
         self._streams[request_id] = stream
         self._unseen_adds += 1
@@ -259,6 +262,8 @@ class AsyncEngine:
             if stream is None:
                 continue  # aborted: its handler is gone
             if out.finished:
+                stream.num_open -= 1
+            if out.finished and stream.num_open == 0:
                 del streams[out.request_id]
                 if out.finish_reason == "error":
                     self.metrics.request_failed(out.error_stage)

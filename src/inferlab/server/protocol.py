@@ -15,8 +15,11 @@ from typing import Annotated, Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.logprobs import MAX_LOGPROBS
 from inferlab.engine.outputs import RequestOutput
-from inferlab.engine.sampling_params import INT64_MAX, INT64_MIN, SEED_MAX, SEED_MIN, SamplingParams
+from inferlab.engine.sampling_params import INT64_MAX, SEED_MAX, SEED_MIN, SamplingParams
+from inferlab.engine.structured_output import Guide
+from inferlab.server.tools import ToolPlan
 
 # ---------------------------------------------------------------- errors
 
@@ -57,10 +60,9 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 2048
-
+MAX_CHOICES = 64  # n: each choice is a sequence of its own in the running batch
 _Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 _TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-_Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 _TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # and below the vocabulary size: checked in the server
 _Count = Annotated[int, Field(ge=1, le=INT64_MAX)]
 _Stop = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
@@ -68,6 +70,45 @@ _Stop = Annotated[str, Field(max_length=MAX_STOP_STRING_CHARS)]
 
 class StreamOptions(BaseModel):
     include_usage: bool | None = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+# vLLM's extra fields for structured output (the older guided_* and the newer structured_outputs object's keys).
+_GUIDE_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _guide(kind: str, value: Any, param: str) -> Guide:
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise invalid(f"{param} must be a JSON schema (an object or its JSON text): {e}", param) from None
+        if not isinstance(value, dict):
+            raise invalid(f"{param} must be a JSON schema object", param)
+        return Guide("json_schema", json.dumps(value), param)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise invalid(f"{param} must be a non-empty list of non-empty strings", param)
+        return Guide("choice", json.dumps(value), param)
+    if not isinstance(value, str) or not value:
+        raise invalid(f"{param} must be a non-empty string", param)
+    return Guide(kind, value, param)  # type: ignore[arg-type]
 
 
 class _SamplingFields(BaseModel):
@@ -88,14 +129,17 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool | None = Field(False, description="vLLM extension.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: _Int64 | None = Field(1, description="Only 1 is supported.")
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES, description="Choices to sample; they share the prompt's KV "
+                                                               "blocks. With a seed, choice i uses seed + i.")
     cache_salt: str | None = Field(None, description="vLLM extension: requests share cached prefixes only with the same salt.")
     # Known OpenAI parameters we refuse unless left at their defaults (see _check_unsupported).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     user: str | None = None
+    response_format: ResponseFormat | None = Field(None, description=(
+        "json_object or json_schema: the output is constrained to it (xgrammar token masks). vLLM's guided_json, "
+        "guided_regex, guided_choice, guided_grammar and structured_outputs {json|regex|choice|grammar} also work."))
 
     @model_validator(mode="before")
     @classmethod
@@ -108,8 +152,6 @@ class _SamplingFields(BaseModel):
         return data
 
     def _check_unsupported(self, extra: dict[str, Any]) -> None:
-        if self.n not in (None, 1):
-            raise invalid(f"n={self.n} is not supported: this server returns exactly one choice per request (n=1)", "n")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -117,8 +159,6 @@ class _SamplingFields(BaseModel):
                 raise invalid(f"{name} is not supported by this server; omit it or set it to 0", name)
         if self.logit_bias:
             raise invalid("logit_bias is not supported by this server", "logit_bias")
-        if self.logprobs not in (None, False, 0):
-            raise invalid("logprobs is not supported by this server", "logprobs")
         for name, value in extra.items():
             if name in _UNSUPPORTED_IF_SET and value not in _UNSUPPORTED_IF_SET[name]:
                 raise invalid(f"{name} is not supported by this server", name)
@@ -135,9 +175,42 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=bool(self.ignore_eos),
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                n=self.n or 1,
+                guide=self.guide(),
+                **self.logprob_params(),
             )
         except InvalidRequestError as e:
             raise invalid(str(e), e.param) from None
+
+    def guide(self) -> Guide | None:
+        """The structured-output constraint, from whichever one field sets it."""
+        extra = self.model_extra or {}
+        found: list[Guide] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(Guide("json_object", param="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise invalid("response_format of type json_schema needs json_schema.schema", "response_format")
+            found.append(_guide("json_schema", rf.json_schema.schema_, "response_format"))
+        for key, kind in _GUIDE_FIELDS.items():
+            if extra.get(key) is not None:
+                found.append(_guide(kind, extra[key], key))
+        so = extra.get("structured_outputs")
+        if so is not None:
+            if not isinstance(so, dict):
+                raise invalid("structured_outputs must be an object", "structured_outputs")
+            for key, kind in _STRUCTURED_KEYS.items():
+                if so.get(key) is not None:
+                    found.append(_guide(kind, so[key], "structured_outputs"))
+        if len(found) > 1:
+            raise invalid(f"only one output constraint may be set, got {', '.join(g.param for g in found)}",
+                          found[1].param)
+        return found[0] if found else None
+
+    def logprob_params(self) -> dict[str, Any]:
+        """The SamplingParams fields of logprobs and echo, which the endpoints spell differently."""
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -147,16 +220,8 @@ class _SamplingFields(BaseModel):
 # Extra fields (not declared above) that we accept only at these "off" values.
 _UNSUPPORTED_IF_SET: dict[str, tuple] = {
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
-    "top_logprobs": (None, 0),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
     "prompt_logprobs": (None, 0),
     "use_beam_search": (None, False),
     "min_tokens": (None, 0),
@@ -169,7 +234,20 @@ class CompletionRequest(_SamplingFields):
     prompt_field: ClassVar[str] = "prompt"  # the `param` of an error about the prompt
     prompt: str | list[_TokenId] | list[str] | list[list[_TokenId]] = Field(
         ..., description="A string or a list of token ids. A batch of several prompts is not supported.")
-    max_tokens: _Count | None = 16
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX, description="0 only with echo and logprobs (score the prompt).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "Log-probabilities of each token and of its `logprobs` most likely alternatives, of the model's raw "
+        "distribution (before temperature, top-k and top-p, as vLLM's default)."))
+    echo: bool | None = Field(False, description="Prepend the prompt to the text (and its tokens to logprobs; "
+                                                 "the first prompt token's logprob is null).")
+
+    def logprob_params(self) -> dict[str, Any]:
+        echo = bool(self.echo)
+        if self.max_tokens == 0 and not (echo and self.logprobs is not None):
+            raise invalid("max_tokens=0 needs echo=true and logprobs set: it scores the prompt without generating",
+                          "max_tokens")
+        return {"logprobs": self.logprobs, "echo": echo,
+                "prompt_logprobs": self.logprobs if echo and self.logprobs is not None else None}
 
     def check(self) -> str | list[int]:
         """Unsupported options -> 400; returns the single prompt."""
@@ -212,7 +290,31 @@ class ChatMessage(BaseModel):
         m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             m["name"] = self.name
+        extra = self.model_extra or {}
+        for key in ("tool_calls", "tool_call_id"):  # a conversation that already called tools, for the template
+            if extra.get(key) is not None:
+                m[key] = extra[key]
         return m
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(..., min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -220,10 +322,53 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: _Count | None = Field(None, description="Deprecated by OpenAI in favour of max_completion_tokens.")
     max_completion_tokens: _Count | None = None
+    logprobs: bool | None = Field(False, description="Return the log-probability of each output token (of the "
+                                                     "model's raw distribution, as vLLM's default).")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: how many most "
+                                                                             "likely alternatives per token.")
 
-    def check(self) -> list[dict]:
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """How tools shape this request (server/tools.py); None without tools or with tool_choice none."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise invalid("tool_choice needs tools", "tool_choice")
+            return None
+        functions = {t.function.name: t.function.parameters for t in self.tools}
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in functions:
+                raise invalid(f"tool_choice names the function `{choice.function.name}`, which is not among the "
+                              f"tools ({', '.join(functions)})", "tool_choice")
+            return ToolPlan("named", functions, choice.function.name)
+        mode: Any = choice or "auto"
+        return ToolPlan(mode, functions, parallel=self.parallel_tool_calls is not False)
+
+    def guide(self) -> Guide | None:
+        own = super().guide()
+        plan = self.tool_plan()
+        forced = plan.guide if plan is not None else None
+        if own is not None and plan is not None and forced is not None:
+            raise invalid(f"{own.param} cannot be combined with tool_choice {plan.mode} (it constrains the "
+                          f"output to the function's arguments)", own.param)
+        return own or forced
+
+    def logprob_params(self) -> dict[str, Any]:
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs set to true", "top_logprobs")
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
+
+    def check(self) -> list[dict] | dict[str, Any]:
         self._check_unsupported(self.model_extra or {})
-        return [m.to_template() for m in self.messages]
+        messages = [m.to_template() for m in self.messages]
+        if self.tools:  # the engine renders them with the chat template (LLMEngine.tokenize_prompt)
+            return {"messages": messages, "tools": [t.model_dump(exclude_none=True) for t in self.tools]}
+        return messages
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -269,14 +414,39 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, last: RequestOutput) -> UsageInfo:
-        """The usage of a request, from its finishing delta."""
-        return cls(prompt_tokens=last.num_prompt_tokens, completion_tokens=last.num_output_tokens,
-                   total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+    def of(cls, last: RequestOutput, *others: RequestOutput) -> UsageInfo:
+        """The usage of a request, from its finishing delta (and its other choices' with n > 1: their tokens add
+        up, the prompt counts once)."""
+        out = last.num_output_tokens + sum(o.num_output_tokens for o in others)
+        return cls(prompt_tokens=last.num_prompt_tokens, completion_tokens=out,
+                   total_tokens=last.num_prompt_tokens + out,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=last.num_cached_tokens))
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # null for the first prompt token (with echo)
+    top_logprobs: list[dict[str, float] | None]  # the token itself and its most likely alternatives
+    text_offset: list[int]  # where each token's text starts in the choice's text (across a stream's chunks)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
 
 
 class _Choice(BaseModel):
@@ -288,6 +458,7 @@ class _Choice(BaseModel):
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None  # type: ignore[assignment]
 
 
 class CompletionResponse(BaseModel):
@@ -306,13 +477,26 @@ class CompletionChunk(CompletionResponse):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None  # type: ignore[assignment]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -335,8 +519,26 @@ class RoleDelta(BaseModel):
     content: str = ""
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    index: int = 0
+    id: str | None = None  # on the first delta of a call, with type and name
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class ToolCallsDelta(BaseModel):
+    content: str | None = None
+    tool_calls: list[DeltaToolCall]
+
+
 class ChatStreamChoice(_Choice):
-    delta: RoleDelta | DeltaMessage
+    delta: RoleDelta | DeltaMessage | ToolCallsDelta
+    logprobs: ChatLogprobs | None = None  # type: ignore[assignment]
 
 
 class ChatCompletionChunk(BaseModel):
