@@ -69,3 +69,14 @@ def test_per_choice_finish_reasons(api, llm_fp32):
                                        max_tokens=16, stop=[" the"]).choices[0]
         assert (c.text, c.finish_reason) == (alone.text, alone.finish_reason)
     assert set(reasons) <= {"stop", "length"}
+
+
+def test_the_largest_seed_wraps_for_later_choices(api, llm_fp32):
+    """seed + i past 2^64 - 1 (the largest seed the API takes) wraps to what a request with (seed + i) mod 2^64
+    draws, instead of reaching torch.Generator.manual_seed out of range on the engine thread."""
+    model = llm_fp32.engine.model_name
+    r = api.completions.create(model=model, prompt=PROMPT, n=2, seed=2**64 - 1, temperature=1.0, max_tokens=8)
+    alone = [api.completions.create(model=model, prompt=PROMPT, seed=s, temperature=1.0, max_tokens=8)
+             for s in (2**64 - 1, 0)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert api.completions.create(model=model, prompt="Still serving?", max_tokens=2).choices[0].text

@@ -161,17 +161,21 @@ class LLMEngine:
                 f"lower max_tokens", "prompt" if n >= self.max_model_len else "max_tokens")
         seq = Sequence(request_id, token_ids, params, RequestMetrics(arrival_time or time.perf_counter()),
                        cache_salt=cache_salt, prompt_text=text)
-        if params.guide is not None:
-            seq.grammar = self.structured_output.matcher(params.guide)
-        if params.seed is not None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(params.seed)
-            self._generators[request_id] = g
-        self.requests[request_id] = seq
+        self._register(seq)
         self.scheduler.add(seq)
         if params.n > 1:
             self._forks[request_id] = seq
         return n
+
+    def _register(self, seq: Sequence) -> None:
+        """Make a new sequence known: its grammar matcher, its own random stream when seeded."""
+        if seq.params.guide is not None:
+            seq.grammar = self.structured_output.matcher(seq.params.guide)
+        if seq.params.seed is not None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(seq.params.seed)
+            self._generators[seq.request_id] = g
+        self.requests[seq.request_id] = seq
 
     @property
     def structured_output(self) -> StructuredOutput:
@@ -191,17 +195,12 @@ class LLMEngine:
         children = []
         for i in range(1, p.n):
             rid = f"{parent.request_id}#{i}"
-            params = replace(p, seed=None if p.seed is None else p.seed + i, n=1)
+            # Seeds live modulo 2^64 (manual_seed reads a negative one as its uint64 twin): seed + i never overflows.
+            params = replace(p, seed=None if p.seed is None else (p.seed + i) % 2**64, n=1)
             seq = Sequence(rid, list(parent.prompt_token_ids), params, RequestMetrics(parent.metrics.arrival_time),
                            cache_salt=parent.cache_salt, prompt_text=parent.prompt_text,
                            group_id=parent.request_id, index=i)
-            if params.guide is not None:
-                seq.grammar = self.structured_output.matcher(params.guide)
-            if params.seed is not None:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(params.seed)
-                self._generators[rid] = g
-            self.requests[rid] = seq
+            self._register(seq)
             children.append(seq)
         self.scheduler.add_first(children)
 
