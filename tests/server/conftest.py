@@ -24,3 +24,20 @@ def fake_server():
     yield make
     for s in servers:
         s.stop()
+
+
+# The real engine behind the real app, stepped as `inferlab serve` steps it; one server per test module that asks.
+@pytest.fixture(scope="module")
+def server(llm_fp32):
+    from inferlab.server.api import ServerConfig, build_app
+
+    with LiveServer(build_app(llm_fp32.engine, ServerConfig())) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    """The official openai client on `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=600)

@@ -7,25 +7,15 @@ more.
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 
-from server_testkit import LiveServer
 
 pytestmark = pytest.mark.slow
 
 TOL = 1e-3
 CHAT = [{"role": "user", "content": "Name three fruits that are red."}]
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find"
-
-
-@pytest.fixture(scope="module")
-def api(llm_fp32):
-    from inferlab.server.api import ServerConfig, build_app
-
-    with LiveServer(build_app(llm_fp32.engine, ServerConfig())) as s:
-        yield openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
 def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:

@@ -11,11 +11,9 @@ import re
 from typing import Annotated, Literal
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_testkit import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -150,19 +148,6 @@ class Matrix(BaseModel):
 SCHEMAS = [Person, Paint, Tags, Customer, Movie, Feature, Point, Order, Status, Company, Scores, Profile, Palette,
            Event, Book, Weather, Recipe, Task, Matrix, Address]
 assert len(SCHEMAS) == 20
-
-
-@pytest.fixture(scope="module")
-def server(llm_fp32):
-    from inferlab.server.api import ServerConfig, build_app
-
-    with LiveServer(build_app(llm_fp32.engine, ServerConfig())) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=[m.__name__ for m in SCHEMAS])

@@ -14,7 +14,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_testkit import LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -40,19 +39,6 @@ class BookTable(BaseModel):
 
 TOOLS = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(BookTable)]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-@pytest.fixture(scope="module")
-def server(llm_fp32):
-    from inferlab.server.api import ServerConfig, build_app
-
-    with LiveServer(build_app(llm_fp32.engine, ServerConfig())) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
 def test_forced_tool_call_parses_against_its_schema(api, llm_fp32):
