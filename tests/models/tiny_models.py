@@ -29,6 +29,15 @@ def hf_config(family: str, **extra):
         return transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=True, **extra)
     if family == "mistral":
         return transformers.MistralConfig(**SHAPE, sliding_window=8, tie_word_embeddings=False, **extra)
+    if family == "gemma3":
+        # What the real 270M (tests/models/test_gemma3_vs_transformers.py) does not have: a query_pre_attn_scalar
+        # other than head_dim, a final logit soft-cap, linear rope scaling on the global layers; window 8.
+        shape = {**SHAPE, "num_hidden_layers": 3}
+        return transformers.Gemma3TextConfig(
+            **shape, head_dim=32, sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **extra)
     raise ValueError(family)
 
 

@@ -31,6 +31,16 @@ log = logging.getLogger("inferlab.engine")
 Prompt = str | list[int] | list[dict] | dict  # dict: {"prompt_token_ids"} or {"messages", "tools"}
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """[BOS] where the model's tokenizer starts every text with it (Gemma's GGUF says add_bos_token: without it
+    Gemma's outputs fall apart), else []. Plain-text prompts get it, as llama.cpp's server and transformers' default
+    encoding give it; chat templates write their own."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or tokenizer.encode("a", add_special_tokens=True)[:1] != [bos]:
+        return []
+    return [] if tokenizer.encode("a", add_special_tokens=False)[:1] == [bos] else [bos]
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -94,6 +104,7 @@ class LLMEngine:
         # cannot fit, whatever it says (the server refuses it before tokenizing).
         self.max_token_chars: int = max(map(len, self.tokenizer.get_vocab()), default=1)
         self.eos_token_ids = {t for t in (cfg.eos_token_id, self.tokenizer.eos_token_id) if t is not None}
+        self.text_prefix = bos_prefix(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -114,7 +125,8 @@ class LLMEngine:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             prompt = list(prompt["prompt_token_ids"])
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            return (ids if ids[:1] == self.text_prefix else self.text_prefix + ids), prompt
         tools = None
         if isinstance(prompt, dict) and "messages" in prompt:  # chat with tools: {"messages": [...], "tools": [...]}
             prompt, tools = prompt["messages"], prompt.get("tools")

@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
+from inferlab.engine.llm_engine import bos_prefix
 from inferlab.engine.sampling_params import SamplingParams
 
 # --- data --------------------------------------------------------------------------------------------------------
@@ -109,11 +110,13 @@ def perplexity(llm: EvalModel, docs: list[Document], window: int = 512) -> Perpl
     """exp(mean NLL) over every scored token of every document (see `chunk_windows`), plus per kind/document."""
     per_doc: dict[str, tuple[float, int]] = {}
     kind_of = {d.name: d.kind for d in docs}
+    # Each window starts with the model's BOS where its tokenizer adds one (Gemma), which is context, not scored.
+    prefix = bos_prefix(llm.tokenizer)
     for d in docs:
         ids = llm.tokenizer.encode(d.text, add_special_tokens=False)
         nll, n = 0.0, 0
         for w in chunk_windows(ids, window):
-            lps = llm.score(w)
+            lps = llm.score(prefix + w)[len(prefix):]
             nll -= sum(lps)
             n += len(lps)
         per_doc[d.name] = (nll, n)
@@ -215,7 +218,8 @@ def continuation_prompts(llm: EvalModel, docs: list[Document], count: int = 24, 
         return []
     n = min(count, len(starts))
     pick = [starts[round(j * (len(starts) - 1) / max(n - 1, 1))] for j in range(n)]
-    return [per_doc[i][s : s + context] for i, s in pick]
+    prefix = bos_prefix(llm.tokenizer)  # the model's BOS where its tokenizer adds one (see perplexity)
+    return [prefix + per_doc[i][s : s + context] for i, s in pick]
 
 
 def generate_continuations(llm: EvalModel, prompts: list[list[int]], tokens: int = 32) -> list[list[int]]:

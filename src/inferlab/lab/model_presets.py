@@ -110,7 +110,8 @@ class ModelSpec:
             intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=cfg.tie_word_embeddings, qkv_bias=cfg.attention_bias, qk_norm=cfg.qk_norm,
-            sliding_window=cfg.sliding_window, sliding_layers=cfg.num_layers if cfg.sliding_window else 0,
+            sliding_window=cfg.sliding_window,
+            sliding_layers=sum(cfg.is_sliding(i) for i in range(cfg.num_layers)), norms_per_layer=cfg.norms_per_layer,
             source=source,
         )
 

@@ -7,9 +7,12 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float):
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling_factor: float = 1.0):
+        """scaling_factor: linear position scaling (positions / factor), transformers' "linear" rope type."""
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling_factor != 1.0:
+            inv_freq = inv_freq / scaling_factor
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -9,13 +9,18 @@ from pathlib import Path
 
 from inferlab.common.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 # Hugging Face names (config.json `architectures`, then `model_type`) -> inferlab's family name (GGUF's
 # general.architecture; llama.cpp's converter writes Mistral as "llama", without a sliding window).
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+    "MistralForCausalLM": "mistral", "Gemma3ForCausalLM": "gemma3", "llama": "llama", "qwen2": "qwen2",
+    "qwen3": "qwen3", "mistral": "mistral", "gemma3_text": "gemma3",
 }
+# Gemma 3: five local (sliding-window) layers, then one global, repeated (transformers' default layer_types, and
+# llama.cpp's swa pattern for gemma3: GGUF files do not store it). Local layers rotate with base 10k.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 @dataclass(slots=True)
@@ -37,6 +42,18 @@ class ModelConfig:
     attention_bias: bool = False  # biases on the Q/K/V projections (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on Q and K before rotary (Qwen3)
     sliding_window: int | None = None  # each token attends to itself and the window - 1 tokens before it (Mistral)
+    # Gemma 3's extras. layer_sliding: which layers use the window (empty: all of them, when there is one).
+    layer_sliding: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None  # the rotary base of the sliding layers, when it differs
+    rope_scaling_factor: float = 1.0  # linear position scaling of the global layers' rotary (Gemma 3 4B+: 8)
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default: head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    norms_per_layer: int = 2  # Gemma 3 also normalises after attention and after the MLP: 4
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        return self.layer_sliding[layer] if self.layer_sliding else True
 
     @property
     def num_params(self) -> int:
@@ -46,7 +63,7 @@ class ModelConfig:
             attn += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + self.norms_per_layer * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
 
@@ -123,6 +140,12 @@ def _from_gguf(path: Path) -> ModelConfig:
     hidden, heads = g("embedding_length"), g("attention.head_count")
     vocab = g("vocab_size") or meta["_vocab_size"]
     window = g("attention.sliding_window")
+    extra = {}
+    if arch == "gemma3":
+        extra = _gemma3_fields(g("block_count"), g("rope.scaling.type"), g("rope.scaling.factor"), None, None,
+                               GEMMA3_LOCAL_ROPE_THETA, path)
+        # GGUF has no query_pre_attn_scalar: llama.cpp scales queries by head_dim ** -0.5 (the 27B aside, which
+        # it special-cases), as the config of every smaller Gemma 3 does (query_pre_attn_scalar = head_dim = 256).
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -141,7 +164,23 @@ def _from_gguf(path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in meta["_tensor_names"],
         qk_norm="blk.0.attn_q_norm.weight" in meta["_tensor_names"],
         sliding_window=int(window) if window else None,
+        **extra,
     )
+
+
+def _gemma3_fields(num_layers: int, scaling_type, scaling_factor, layer_types, pattern, local_theta,
+                   path: Path) -> dict:
+    if scaling_type not in (None, "none", "linear", "default"):
+        raise ModelLoadError(f"{path.name}: Gemma 3 rope scaling {scaling_type!r} is not supported (inferlab "
+                             f"implements linear scaling, as Gemma 3 4B+ uses)")
+    pattern = pattern or GEMMA3_SLIDING_PATTERN
+    if layer_types:
+        sliding = tuple(t == "sliding_attention" for t in layer_types)
+    else:
+        sliding = tuple(bool((i + 1) % pattern) for i in range(num_layers))
+    factor = float(scaling_factor) if scaling_type == "linear" and scaling_factor else 1.0
+    return dict(layer_sliding=sliding, rope_local_theta=float(local_theta), rope_scaling_factor=factor,
+                norms_per_layer=4)
 
 
 def _from_hf(path: Path) -> ModelConfig:
@@ -153,6 +192,23 @@ def _from_hf(path: Path) -> ModelConfig:
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    extra = {}
+    if model_type == "gemma3":
+        window = cfg.get("sliding_window", 4096)
+        full = rope.get("full_attention") or {}
+        local = rope.get("sliding_attention") or {}
+        scaling = cfg.get("rope_scaling") or full
+        theta = cfg.get("rope_theta", full.get("rope_theta", 1_000_000.0))
+        extra = _gemma3_fields(cfg["num_hidden_layers"], scaling.get("rope_type", scaling.get("type")),
+                               scaling.get("factor"), cfg.get("layer_types"), cfg.get("sliding_window_pattern"),
+                               cfg.get("rope_local_base_freq", local.get("rope_theta", GEMMA3_LOCAL_ROPE_THETA)), path)
+        extra.update(query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+                     final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                     tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ModelLoadError(f"{path.name}: attn_logit_softcapping is not supported (Gemma 3 has none)")
     return ModelConfig(
         architecture=model_type,
         vocab_size=cfg["vocab_size"],
@@ -163,12 +219,12 @@ def _from_hf(path: Path) -> ModelConfig:
         num_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=cfg.get("head_dim") or hidden // heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rope_theta=float(theta),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **{"tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)), **extra},
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
         name=path.name,
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),  # Qwen2 always has them
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3"),
         sliding_window=int(window) if window else None,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from inferlab.models.config import ModelConfig
+from inferlab.models.gemma3 import Gemma3ForCausalLM
 from inferlab.models.llama import LlamaForCausalLM
 from inferlab.models.qwen3 import Qwen3ForCausalLM
 
@@ -12,6 +13,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,  # its own layers and model (models/gemma3.py); the causal-LM shell is Llama's
 }
 
 

@@ -65,8 +65,15 @@ def _load_gguf(path: Path, cfg: ModelConfig,
                 data = np.ascontiguousarray(np.concatenate(rows, axis=0))
                 raw[dst] = RawGGUFWeight(types.pop(), data, tuple(sd[dst + ".weight"].shape))
 
+    def norm(name: str) -> torch.Tensor:
+        w = torch.from_numpy(floats(name).copy())
+        # Gemma's (1 + w) norms: the file holds 1 + w already. 1 + (s - 1) rounds as transformers does (its GGUF
+        # reader subtracts the 1, its RMSNorm adds it back), so float32 logits match it bit for bit.
+        return 1 + (w - 1) if gemma else w
+
+    gemma = cfg.architecture == "gemma3"
     sd["model.embed_tokens.weight"] = torch.from_numpy(floats("token_embd.weight").copy())
-    sd["model.norm.weight"] = torch.from_numpy(floats("output_norm.weight").copy())
+    sd["model.norm.weight"] = norm("output_norm.weight")
     if "output.weight" in tensors:
         fused("lm_head", [("output.weight", None)])
     elif keep_raw:
@@ -77,8 +84,13 @@ def _load_gguf(path: Path, cfg: ModelConfig,
     hq, hk = (cfg.num_heads, cfg.num_kv_heads) if cfg.architecture == "llama" else (None, None)
     for i in range(cfg.num_layers):
         b, p = f"blk.{i}.", f"model.layers.{i}."
-        sd[p + "input_layernorm.weight"] = torch.from_numpy(floats(b + "attn_norm.weight").copy())
-        sd[p + "post_attention_layernorm.weight"] = torch.from_numpy(floats(b + "ffn_norm.weight").copy())
+        sd[p + "input_layernorm.weight"] = norm(b + "attn_norm.weight")
+        if gemma:  # the sandwich norms: llama.cpp's ffn_norm is Gemma's pre-MLP norm
+            sd[p + "post_attention_layernorm.weight"] = norm(b + "post_attention_norm.weight")
+            sd[p + "pre_feedforward_layernorm.weight"] = norm(b + "ffn_norm.weight")
+            sd[p + "post_feedforward_layernorm.weight"] = norm(b + "post_ffw_norm.weight")
+        else:
+            sd[p + "post_attention_layernorm.weight"] = norm(b + "ffn_norm.weight")
         fused(p + "self_attn.qkv_proj",
               [(b + "attn_q.weight", hq), (b + "attn_k.weight", hk), (b + "attn_v.weight", None)])
         if cfg.attention_bias:
@@ -87,7 +99,7 @@ def _load_gguf(path: Path, cfg: ModelConfig,
             sd[p + "self_attn.qkv_proj.bias"] = torch.from_numpy(np.concatenate(bias))
         if cfg.qk_norm:
             for n in "qk":
-                sd[p + f"self_attn.{n}_norm.weight"] = torch.from_numpy(floats(b + f"attn_{n}_norm.weight").copy())
+                sd[p + f"self_attn.{n}_norm.weight"] = norm(b + f"attn_{n}_norm.weight")
         fused(p + "self_attn.o_proj", [(b + "attn_output.weight", None)])
         fused(p + "mlp.gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)])
         fused(p + "mlp.down_proj", [(b + "ffn_down.weight", None)])
@@ -113,6 +125,10 @@ def _load_hf(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             sd[p + "self_attn.qkv_proj.bias"] = torch.cat([src[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
         sd[p + "mlp.gate_up_proj.weight"] = torch.cat(
             [src[p + f"mlp.{n}_proj.weight"] for n in ("gate", "up")], dim=0)
+    if cfg.architecture == "gemma3":
+        # Gemma's checkpoints hold w of its (1 + w) norms (models/gemma3.py keeps 1 + w); its head is the embedding.
+        sd = {k: (1 + v.float()) if k.endswith("norm.weight") else v for k, v in sd.items()
+              if k != "lm_head.weight"}
     return sd
 
 
@@ -129,7 +145,10 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         net = model_class(cfg)(cfg)
     net = net.to_empty(device=device)
     # Rotary tables are buffers computed at construction: rebuild them on the real device.
-    net.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    if hasattr(net.model, "init_rotary"):
+        net.model.init_rotary(device)
+    else:
+        net.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
     missing, unexpected = net.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
