@@ -24,6 +24,8 @@ V = 128
 
 
 class CharTokenizer:
+    chat_template = "(a chat model)"  # the evaluation sends it chat messages
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [min(ord(c), V - 1) for c in text]
 
@@ -171,6 +173,8 @@ def test_task_messages_are_few_shot_chat():
 
 def test_run_tasks_counts_per_category():
     class Canned:
+        tokenizer = CharTokenizer()
+
         def generate(self, prompts, params):
             assert params.temperature == 0.0
             return [FakeOutput({"Q1": "4", "Q2": "Rome is the answer", "Q3": "rome"}[p[-1]["content"]], [1])
@@ -180,6 +184,21 @@ def test_run_tasks_counts_per_category():
     r = ev.run_tasks(Canned(), tasks)
     assert (r.correct, r.total) == (2, 3) and r.by_category == {"geo": 0.5, "math": 1.0}
     assert [i["correct"] for i in r.items] == [True, False, True]
+
+
+def test_run_tasks_without_a_chat_template_sends_few_shot_text():
+    """A base model (Gemma 3 270M's GGUF has no chat template) gets the same shots as text, each answer one line."""
+    class Base:
+        tokenizer = SimpleNamespace(chat_template=None)
+
+        def generate(self, prompts, params):
+            assert params.stop == ["\n"]
+            return [FakeOutput(" 4" if p.endswith("Question: Q1\nAnswer:") else " no", [1]) for p in prompts]
+
+    r = ev.run_tasks(Base(), [ev.Task("a", "math", "Q1", ["4"]), ev.Task("b", "geo", "Q2", ["Rome"])])
+    assert (r.correct, r.total) == (1, 2)
+    text = ev.task_text(ev.Task("a", "math", "Q1", ["4"]))
+    assert text.startswith(ev.TASK_SYSTEM) and all(f"Question: {q}\nAnswer: {a}\n" in text for q, a in ev.TASK_SHOTS)
 
 
 def test_first_divergence_and_agreement():

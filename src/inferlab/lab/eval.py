@@ -192,9 +192,21 @@ class TaskResult:
     items: list[dict]  # {id, category, output, correct, token_ids}
 
 
+def task_text(task: Task) -> str:
+    """The few-shot turns as plain text, for a base model without a chat template (Gemma 3 270M's GGUF)."""
+    shots = "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in TASK_SHOTS)
+    return f"{TASK_SYSTEM}\n\n{shots}Question: {task.question}\nAnswer:"
+
+
 def run_tasks(llm: EvalModel, tasks: list[Task], max_tokens: int = 16) -> TaskResult:
-    """Greedy answers in the few-shot chat format, scored by exact match after normalisation."""
-    outs = llm.generate([task_messages(t) for t in tasks], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    """Greedy answers in the few-shot chat format (plain text, each answer ending at its line, where the model has no
+    chat template), scored by exact match after normalisation."""
+    if getattr(llm.tokenizer, "chat_template", None):
+        prompts, params = [task_messages(t) for t in tasks], SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    else:
+        prompts = [task_text(t) for t in tasks]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=["\n"])
+    outs = llm.generate(prompts, params)
     items, cats = [], defaultdict(lambda: [0, 0])
     for t, o in zip(tasks, outs):
         ok = is_correct(o.text, t.answers)
