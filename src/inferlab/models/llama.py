@@ -15,6 +15,7 @@ The same classes serve the families whose layers are Llama's with options from t
 Q/K/V projection) and Mistral (a sliding attention window, applied by PagedAttention); Qwen3 adds its QK-norm in
 models/qwen3.py. The C++ plan implements none of these options: where a layer has one, build_decode_plan declines
 (a windowed model keeps it for steps whose every context fits the window), and the Python layers run decode.
+Gemma 3 has layers of its own (models/gemma3.py) on the same attention, norms and kernels, and no plan.
 """
 
 from __future__ import annotations
