@@ -170,7 +170,7 @@ class _EngineCollector(Collector):
             yield gauge("inferlab:cpu_threads_max", "CPU threads the engine returns to on a quiet machine (the "
                         "affinity mask and cgroup quota allow).", s.cpu_threads_max)
             fb = CounterMetricFamily("inferlab:cpu_fallbacks", "Steps down to fewer CPU threads, by reason (stall, "
-                                     "slow, pressure).", labels=names + ["reason"])
+                                     "slow, contended).", labels=names + ["reason"])
             for reason in FALLBACK_REASONS:
                 fb.add_metric(values + [reason], s.cpu_fallbacks_total.get(reason, 0))
             yield fb
