@@ -14,7 +14,7 @@ from inferlab.lab import capacity
 from inferlab.lab.card import load_card
 from inferlab.lab.calibrate import shape_from
 from inferlab.lab.sim_workload import card_requests
-from inferlab.lab.simulate_cli import compare
+from inferlab.lab.simulate_cli import compare, max_rate_verdict
 from inferlab.lab.step_cost import StepCost
 
 CARD = """
@@ -112,6 +112,17 @@ def test_compare_reports_relative_errors():
     assert rows["goodput share"]["rel_error"] == 0.0
 
 
+def test_the_max_rate_check_brackets_the_prediction():
+    bracket = (2.0, 1.7, 2.3)
+    points = lambda lo, hi: [{"rate": 1.7, "meets_measured": lo}, {"rate": 2.3, "meets_measured": hi}]
+    v = max_rate_verdict(bracket, 0.15, points(True, False))
+    assert v["within"] and "within 15% of the prediction" in v["verdict"]
+    assert not max_rate_verdict(bracket, 0.15, points(False, False))["within"]
+    assert "below the lower bound" in max_rate_verdict(bracket, 0.15, points(False, False))["verdict"]
+    assert "above the upper bound" in max_rate_verdict(bracket, 0.15, points(True, True))["verdict"]
+    assert "undetermined" in max_rate_verdict(bracket, 0.15, points(True, None))["verdict"]
+
+
 def test_bad_input_is_named(setup, capsys):
     card, profile, tmp = setup
     assert main(["simulate", "predict", str(card), "--profile", str(tmp / "nope.json")]) == 2
@@ -120,6 +131,8 @@ def test_bad_input_is_named(setup, capsys):
     assert "--rates '1,x'" in capsys.readouterr().err
     assert main(["simulate", "predict", str(card), "--profile", str(profile), "--router", "random"]) == 2
     assert "unknown router 'random'" in capsys.readouterr().err
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--max-rate-within", "1.5"]) == 2
+    assert "--max-rate-within 1.5: give a fraction between 0 and 1" in capsys.readouterr().err
 
 
 def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):
