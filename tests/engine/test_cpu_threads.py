@@ -121,6 +121,19 @@ def test_busy_from_the_start_is_caught_by_the_threads_wait():
     assert sim.adapter.threads == 2 and sim.reasons()[-1] == "quiet"
 
 
+def test_a_server_started_beside_a_busy_neighbour_starts_with_fewer_threads():
+    sim = Sim([2, 1], wait=lambda t: 0.0, foreign=1.0)  # idle threads wait for nothing: only the others' use tells
+    sim.adapter.settle_in(0.2, sleep=lambda s: setattr(sim, "now", sim.now + s))
+    assert sim.adapter.threads == 1 and sim.adapter.fallbacks == {"contended": 1}
+    assert "at start, other processes used 1.0 of 2 CPUs" in sim.adapter.decisions[-1].detail
+    sim.run(30.0, {2: 0.040, 1: 0.016}.get)  # and it does not probe while they keep a core
+    assert "probe" not in sim.reasons()
+    for foreign in (0.0, 0.3):  # a quiet machine, or a light client beside the server: the full team
+        sim = Sim([2, 1], wait=lambda t: 0.0, foreign=foreign)
+        sim.adapter.settle_in(0.2, sleep=lambda s: setattr(sim, "now", sim.now + s))
+        assert sim.adapter.threads == 2 and sim.calls == []
+
+
 def test_a_light_client_neither_drops_threads_nor_blocks_probes():
     # bench's client on the same machine: our threads wait a little, a third of a CPU is used by others.
     sim = Sim([2, 1], wait={2: 0.12, 1: 0.02}.get, foreign=0.3)

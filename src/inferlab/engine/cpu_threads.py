@@ -141,6 +141,27 @@ class ThreadAdapter:
         foreign = self._foreign[0] / self._foreign[1]
         return self._cpus - foreign >= self.levels[self.level - 1] - SPARE_CPU
 
+    def settle_in(self, seconds: float = 0.2, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Before the first step (and before the model loads, whose packing runs on the team too): if other
+        processes already hold the cores, start with fewer threads. Our threads are idle here, so only what the
+        others use tells; the first steps' wait for a CPU then confirms or the first probe undoes it."""
+        if not self.adaptive or len(self.levels) < 2:
+            return
+        self.contention(self.threads)
+        sleep(seconds)
+        c = self.contention(self.threads)
+        if c is None:
+            return
+        level = self.level
+        while level + 1 < len(self.levels) and c.cpus - c.foreign_cpus < self.levels[level] - SPARE_CPU:
+            level += 1
+        if level != self.level:
+            self._hold = HOLD_MIN
+            self._change(level, "steady", "contended", f"at start, other processes used {c.foreign_cpus:.1f} of "
+                                                        f"{c.cpus} CPUs")
+            self._cpus = c.cpus
+            self._foreign = [c.foreign_cpus * c.wall, c.wall]
+
     def _check(self, m: float) -> None:
         now = self.clock()
         if self.level == 0:
@@ -240,4 +261,5 @@ def make_adapter(num_threads: int | None, root: Path | str = "/", env: dict[str,
         torch.set_num_threads(start)
     adapter = ThreadAdapter(thread_levels(start), torch.set_num_threads)
     adapter._record("budget", f"{budget.describe()}; torch's default was {current}")
+    adapter.settle_in()
     return adapter

@@ -123,6 +123,19 @@ def _inject_engine_crash(engine, after_steps: int) -> None:
     engine.step = crashing_step
 
 
+def _log_engine(level: str) -> None:
+    """The engine's own decisions (the model it loaded, CPU thread changes and why) go to stderr beside uvicorn's
+    lines; without a handler Python would drop everything below WARNING."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    log = logging.getLogger("inferlab")
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
 def run(args: argparse.Namespace) -> int:
     if (problem := _check_options(args)) is not None:
         print(f"inferlab serve: {problem}", file=sys.stderr)
@@ -145,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"inferlab serve: {e}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
+    _log_engine(args.log_level)
     try:
         engine = LLMEngine(engine_config)
     except (ModelLoadError, FileNotFoundError) as e:
