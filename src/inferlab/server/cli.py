@@ -11,6 +11,7 @@ systemd or Kubernetes restarts the server rather than leaving a process that ser
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -136,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inferlab.common.errors import ModelLoadError
+    from inferlab.common.host_memory import release_free_heap
     from inferlab.engine.llm_engine import LLMEngine
+    from inferlab.models.config import forget_gguf_files
     from inferlab.server.api import ServerConfig, build_app
     from inferlab.server.http_limits import h11_protocol
 
@@ -150,6 +153,13 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, FileNotFoundError) as e:
         print(f"inferlab serve: cannot load the model: {e}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
+    except ValueError as e:  # options that only the model can judge (a KV pool smaller than one block, ...)
+        print(f"inferlab serve: {e}", file=sys.stderr)
+        return EXIT_BAD_OPTIONS
+    # Every model this server uses is loaded: what loading kept for a next load, and the heap it freed, go back.
+    forget_gguf_files()
+    gc.collect()
+    release_free_heap()
     if (spec := os.environ.get(FAULT_INJECT_ENV)) is not None:
         print(f"inferlab serve: ${FAULT_INJECT_ENV}={spec}: TEST-ONLY fault injection is on", file=sys.stderr)
         _inject_engine_crash(engine, int(spec.rpartition(":")[2]))
