@@ -134,6 +134,8 @@ def serve_idle(engine_args: list[str], settle: float) -> dict:
                     break
             except OSError:
                 time.sleep(0.5)
+        else:
+            raise RuntimeError(f"inferlab serve did not answer within 900 s: {' '.join(cmd)}")
         time.sleep(settle)
         r = rollup(proc.pid)
         return {"command": cmd, "rss": r.rss, "pss": r.pss, "anonymous": r.anonymous, "file": r.file}
