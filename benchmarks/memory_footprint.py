@@ -93,6 +93,7 @@ def in_process(engine_args: list[str]) -> dict:
     import uvicorn  # noqa: F401
 
     from inferlab.server.api import ServerConfig, build_app
+    from inferlab.server.cli import release_load_memory
 
     stage("import server")
     parser = ap.ArgumentParser()
@@ -101,6 +102,8 @@ def in_process(engine_args: list[str]) -> dict:
     stage("engine built")
     build_app(engine, ServerConfig())
     stage("app built")
+    release_load_memory()
+    stage("load memory released")
 
     model = engine.runner.model
     others = [v for m in model.modules() for v in vars(m).values()
@@ -163,9 +166,9 @@ def main() -> int:
         print(f"{s['stage']:24s} {s['rss'] / MiB:9.0f} {s['anonymous'] / MiB:9.0f} {s['file'] / MiB:9.0f} {hf:>10s}  "
               f"+{','.join(new) or '-'}")
         prev = s
-    built = next(s for s in ip["stages"] if s["stage"] == "app built")
+    built = next(s for s in ip["stages"] if s["stage"] == "load memory released")
     tensors = sum(p["resident"] for p in ip["parts"].values())
-    print(f"\nat 'app built' (MiB, resident / reserved), {ip['kv_blocks']} KV blocks, context {ip['max_model_len']}, "
+    print(f"\nonce started, as `inferlab serve` is (MiB, resident / reserved), {ip['kv_blocks']} KV blocks, context {ip['max_model_len']}, "
           f"max-num-seqs {ip['max_num_seqs']}:")
     for k, p in ip["parts"].items():
         print(f"  {k:18s} {p['resident'] / MiB:8.0f} / {p['reserved'] / MiB:.0f}")

@@ -124,6 +124,17 @@ def _inject_engine_crash(engine, after_steps: int) -> None:
     engine.step = crashing_step
 
 
+def release_load_memory() -> None:
+    """Once every model this server uses is loaded: what loading kept for a next load (the parsed GGUF readers) and
+    the heap it freed go back to the system (benchmarks/memory_footprint.py measures it)."""
+    from inferlab.common.host_memory import release_free_heap
+    from inferlab.models.config import forget_gguf_files
+
+    forget_gguf_files()
+    gc.collect()
+    release_free_heap()
+
+
 def run(args: argparse.Namespace) -> int:
     if (problem := _check_options(args)) is not None:
         print(f"inferlab serve: {problem}", file=sys.stderr)
@@ -137,9 +148,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from inferlab.common.errors import ModelLoadError
-    from inferlab.common.host_memory import release_free_heap
     from inferlab.engine.llm_engine import LLMEngine
-    from inferlab.models.config import forget_gguf_files
     from inferlab.server.api import ServerConfig, build_app
     from inferlab.server.http_limits import h11_protocol
 
@@ -156,10 +165,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # options that only the model can judge (a KV pool smaller than one block, ...)
         print(f"inferlab serve: {e}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
-    # Every model this server uses is loaded: what loading kept for a next load, and the heap it freed, go back.
-    forget_gguf_files()
-    gc.collect()
-    release_free_heap()
+    release_load_memory()
     if (spec := os.environ.get(FAULT_INJECT_ENV)) is not None:
         print(f"inferlab serve: ${FAULT_INJECT_ENV}={spec}: TEST-ONLY fault injection is on", file=sys.stderr)
         _inject_engine_crash(engine, int(spec.rpartition(":")[2]))
