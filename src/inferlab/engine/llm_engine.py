@@ -13,11 +13,12 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.cpu_threads import ThreadAdapter, make_adapter
 from inferlab.engine.detokenizer import Detokenizer
+from inferlab.engine.kv_pool import size_kv_pool
 from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.logprobs import TokenLogprob, token_logprobs
 from inferlab.engine.model_runner import ModelRunner, StepInputs
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from inferlab.common.host_memory import available_memory, keep_step_buffers
+from inferlab.common.host_memory import available_memory, keep_step_buffers, release_free_heap
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
@@ -71,13 +72,11 @@ class LLMEngine:
 
         bs = config.block_size
         per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()) * bs
-        budget = config.kv_cache_memory
-        if budget is None:
-            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
-            budget = min(2**30, int(0.2 * free))
-        num_blocks = max(1, budget // per_block)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_len_reason = "the model's maximum context length"
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
+        pool = size_kv_pool(per_block, bs, config.max_num_seqs, self.max_model_len, config.kv_cache_memory, free)
+        num_blocks = pool.num_blocks
         if num_blocks * bs < self.max_model_len:
             # A request must always fit the pool alone, or it could preempt itself forever.
             self.max_model_len = num_blocks * bs
@@ -102,10 +101,13 @@ class LLMEngine:
         self.proposer = make_proposer(config, self.runner, self.tokenizer)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
+        if self.device.type == "cpu":
+            # Loading freed hundreds of MiB (dequantized float32 weights, conversions) that glibc would keep.
+            release_free_heap()
         log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16), "
-                 "KV pool %d blocks x %d tokens = %.1f MiB; quantization: %s", self.model_path.name, self.device, self.dtype,
-                 loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20, num_blocks,
-                 bs, self.runner.kv_cache_bytes / 2**20, self.quant_path)
+                 "KV pool %d blocks x %d tokens = %.1f MiB (%s); quantization: %s", self.model_path.name, self.device,
+                 self.dtype, loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20,
+                 num_blocks, bs, self.runner.kv_cache_bytes / 2**20, pool.reason, self.quant_path)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:

@@ -11,6 +11,7 @@ systemd or Kubernetes restarts the server rather than leaving a process that ser
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -136,6 +137,17 @@ def _log_engine(level: str) -> None:
     log.propagate = False
 
 
+def release_load_memory() -> None:
+    """Once every model this server uses is loaded: what loading kept for a next load (the parsed GGUF readers) and
+    the heap it freed go back to the system (benchmarks/memory_footprint.py measures it)."""
+    from inferlab.common.host_memory import release_free_heap
+    from inferlab.models.config import forget_gguf_files
+
+    forget_gguf_files()
+    gc.collect()
+    release_free_heap()
+
+
 def run(args: argparse.Namespace) -> int:
     if (problem := _check_options(args)) is not None:
         print(f"inferlab serve: {problem}", file=sys.stderr)
@@ -164,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
     except (ModelLoadError, FileNotFoundError) as e:
         print(f"inferlab serve: cannot load the model: {e}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
+    except ValueError as e:  # options that only the model can judge (a KV pool smaller than one block, ...)
+        print(f"inferlab serve: {e}", file=sys.stderr)
+        return EXIT_BAD_OPTIONS
+    release_load_memory()
     if (spec := os.environ.get(FAULT_INJECT_ENV)) is not None:
         print(f"inferlab serve: ${FAULT_INJECT_ENV}={spec}: TEST-ONLY fault injection is on", file=sys.stderr)
         _inject_engine_crash(engine, int(spec.rpartition(":")[2]))
