@@ -76,7 +76,7 @@ def _run_on_ray(args: argparse.Namespace) -> int:
     try:
         keys = server_cli.load_api_keys(args.api_key, args.api_keys_file)
         engine_config = EngineConfig.from_cli_args(args)
-        threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // replicas)
+        threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // max(replicas, 1))
         opts = ReplicaOptions(replicas=replicas, threads=threads, min_replicas=args.min_replicas,
                               max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
                               max_ongoing_requests=args.max_ongoing_requests, router=args.router,
