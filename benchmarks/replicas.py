@@ -65,7 +65,7 @@ def stop(proc: subprocess.Popen) -> None:
 def bench(base: str, workload: list[str], conc: int, rounds: int, out: Path) -> dict:
     """Closed loop at `conc` streams, `rounds` requests per stream after one warm-up round."""
     cmd = [sys.executable, "-m", "inferlab", "bench", "--base-url", base, "--concurrency", str(conc),
-           "--num-requests", str(conc * (rounds + 1)), "--warmup", str(conc), "--ignore-eos", "--scrape-metrics",
+           "--num-requests", str(conc * rounds), "--warmup", str(conc), "--ignore-eos", "--scrape-metrics",
            "--output-dir", str(out), "--quiet", "--no-html", *workload]
     subprocess.run(cmd, cwd=ROOT, check=True)
     res = json.loads((out / "results.json").read_text())
@@ -83,7 +83,7 @@ def write_cards(out: Path, concurrencies: list[int], rounds: int) -> dict[str, P
     for name, conc, inp, outp, prefix in [*((f"c{c}", c, 128, 64, None) for c in concurrencies),
                                          ("prefix", 16, 448, 32, {"share": round(384 / 448, 4), "groups": 8})]:
         card = dict(base, name=f"replicas-{name}", description=f"benchmarks/replicas.py: the {name} workload")
-        card["traffic"] = {"arrival": "closed", "concurrency": conc, "requests": conc * (rounds + 1),
+        card["traffic"] = {"arrival": "closed", "concurrency": conc, "requests": conc * rounds,
                            "warmup": conc, "seed": 0, "input_len": inp, "output_len": outp}
         if prefix:
             card["traffic"]["prefix"] = prefix

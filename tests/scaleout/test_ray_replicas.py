@@ -56,14 +56,14 @@ def _wait_for(predicate, deadline_s: float, what: str, proc: subprocess.Popen | 
 
 
 @contextlib.contextmanager
-def _serve_replicas(log: Path, router: str):
+def _serve_replicas(log: Path, router: str, scale: tuple[str, ...] = ("--replicas", "2")):
     """`inferlab serve --replicas 2 --router ROUTER` in its own session; yields (base_url, gcs_address)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
            # Ray's own OOM killer compares the whole machine's memory with a threshold; on a shared machine other
            # people's processes would make it kill our replicas. The kernel's OOM killer still applies.
            "RAY_memory_monitor_refresh_ms": "0"}
-    cmd = [sys.executable, "-m", "inferlab", "serve", "--replicas", "2", "--num-threads", "1", "--port", str(port),
+    cmd = [sys.executable, "-m", "inferlab", "serve", *scale, "--num-threads", "1", "--port", str(port),
            "--router", router, "--kv-cache-memory", "48MiB", "--max-num-seqs", "8", "--max-model-len", "1024",
            "--object-store-memory", "96MiB"]
     with open(log, "wb") as out:
@@ -226,3 +226,29 @@ def test_prefix_affinity_sends_requests_with_a_shared_prefix_to_one_replica(tmp_
 def _hits_by_replica(text: str) -> dict[str, float]:
     return {r: float(v) for r, v in re.findall(
         r'^vllm:prefix_cache_hits_total\{[^}]*replica="([^"]+)"[^}]*\} (\S+)$', text, re.M)}
+
+
+def test_autoscaling_adds_a_replica_when_requests_queue(tmp_path):
+    """--min-replicas 1 --max-replicas 2 with a target of 2 ongoing requests per replica: 8 streams at once make
+    Ray Serve's autoscaler start the second replica (within its bounds), and every stream completes."""
+    scale = ("--replicas", "1", "--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "2")
+    with _serve_replicas(tmp_path / "serve.log", "power-of-two", scale) as (base, _):
+        client = _client(base)
+        _wait_for(lambda: "inferlab:replicas 1" in _metrics(base), 120, "the first replica in /metrics")
+        stop = threading.Event()
+
+        def keep_streaming(i: int) -> list:
+            results = []
+            while not stop.is_set():
+                results.append(_stream(client, f"Stream {i} asks again", 48))
+            return results
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            streams = [pool.submit(keep_streaming, i) for i in range(8)]
+            try:
+                _wait_for(lambda: "inferlab:replicas 2" in _metrics(base), RESTART_DEADLINE,
+                          "the autoscaler to add a second replica", log=tmp_path / "serve.log")
+            finally:
+                stop.set()
+            results = [r for f in streams for r in f.result(timeout=600)]
+        assert results and all(r[0] == "ok" and r[1] == "length" for r in results), results
