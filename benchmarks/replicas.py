@@ -6,12 +6,13 @@
    prefix-affinity against round-robin (and Ray's default, power of two choices): the prefix-cache hit rate the
    replicas report on /metrics (summed over replicas) and TTFT p50/p99.
 
-    python benchmarks/replicas.py [--out-dir bench-results/replicas] [--smoke]
+    python benchmarks/replicas.py [--out-dir bench-results/replicas] [--simulate] [--smoke]
 
 Writes replicas.json (every run's bench summary, the commands, and the simulator hook) and replicas.md (the
 tables, a view of the JSON). `--smoke` runs a tiny version (4 streams, few requests) to check the plumbing; its
 figures mean nothing. At the end it prints the `inferlab simulate` commands that predict the 2-replica rows from
-a 1-replica calibration, with the workload cards it wrote for them.
+a 1-replica calibration, with the workload cards it wrote for them; `--simulate` runs them too and adds the
+predictions and their relative errors to the JSON and the table.
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ def bench(base: str, workload: list[str], conc: int, rounds: int, out: Path) -> 
     return row
 
 
-def write_cards(out: Path, concurrencies: list[int], rounds: int) -> dict[str, Path]:
+def write_cards(out: Path, concurrencies: list[int], prefix_streams: int, rounds: int) -> dict[str, Path]:
     """Workload cards for `inferlab simulate predict` matching the bench runs above."""
     base = yaml.safe_load((ROOT / "examples" / "card-cpu.yaml").read_text())
     cards = {}
     for name, conc, inp, outp, prefix in [*((f"c{c}", c, 128, 64, None) for c in concurrencies),
-                                         ("prefix", 16, 448, 32, {"share": round(384 / 448, 4), "groups": 8})]:
+                                         ("prefix", prefix_streams, 448, 32, {"share": round(384 / 448, 4), "groups": 8})]:
         card = dict(base, name=f"replicas-{name}", description=f"benchmarks/replicas.py: the {name} workload")
         card["traffic"] = {"arrival": "closed", "concurrency": conc, "requests": conc * rounds,
                            "warmup": conc, "seed": 0, "input_len": inp, "output_len": outp}
@@ -94,15 +95,44 @@ def write_cards(out: Path, concurrencies: list[int], rounds: int) -> dict[str, P
     return cards
 
 
-def simulate_commands(out: Path, cards: dict[str, Path]) -> list[str]:
+def simulate_commands(out: Path, cards: dict[str, Path], prefix_streams: int) -> list[str]:
+    """Calibrate one replica's engine (1 thread), then simulate the 2-replica runs as bench ran them: a closed loop
+    of the same streams. The simulator's least-loaded router stands for Ray's power of two choices."""
     profile = out / "profile-1x1.json"
     cmds = [f"inferlab simulate calibrate engine --num-threads 1 --kv-cache-memory {KV} -o {profile}"]
     for name, card in cards.items():
+        users = prefix_streams if name == "prefix" else int(name[1:])
         routers = ROUTERS[:2] if name == "prefix" else ("least-loaded",)
         for router in routers:
             cmds.append(f"inferlab simulate predict {card} --profile {profile} --replicas 2 --router {router} "
-                        f"--json {out / f'predict-{name}-{router}.json'}")
+                        f"--users {users} --no-search --json {out / f'predict-{name}-{router}.json'}")
     return cmds
+
+
+def simulate(results: dict, out: Path) -> list[dict]:
+    """Run the simulate commands and set each prediction beside the measured 2-replica row: relative error
+    (predicted - measured) / measured of output tok/s and TTFT p50/p99."""
+    rows = []
+    for cmd in results["simulate"]:
+        subprocess.run([sys.executable, "-m", "inferlab", *cmd.split()[1:]], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL)
+        if " predict " not in cmd:
+            continue
+        pred_path = Path(cmd.split("--json ")[1].split()[0])
+        name, router = pred_path.stem.removeprefix("predict-").split("-", 1)
+        (point,) = json.loads(pred_path.read_text())["points"]
+        if name == "prefix":
+            measured = next(r for r in results["routing"] if r["router"] == router)
+        else:
+            measured = next(r for r in results["throughput"]
+                            if r["server"] == "Ray: 2 replicas x 1 thread" and r["streams"] == int(name[1:]))
+        row = {"workload": name, "router": router, "streams": measured["streams"]}
+        for key, pred in (("output_tokens_per_s", point["output_tokens_per_s"]),
+                          ("ttft_p50_ms", 1000 * point["ttft_p50"]), ("ttft_p99_ms", 1000 * point["ttft_p99"])):
+            row[f"{key}_predicted"], row[f"{key}_measured"] = pred, measured[key]
+            row[f"{key}_rel_error"] = (pred - measured[key]) / measured[key] if measured[key] else None
+        rows.append(row)
+    return rows
 
 
 def table(results: dict) -> str:
@@ -117,7 +147,19 @@ def table(results: dict) -> str:
         hit = "n/a" if r["prefix_cache_hit_rate"] is None else f"{r['prefix_cache_hit_rate']:.1%}"
         lines.append(f"| {r['router']} | {r['streams']} | {hit} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
                      f"{r['output_tokens_per_s']:.1f} |")
+    if results.get("prediction"):
+        lines += ["", "| simulator, 2 replicas (calibrated on 1 x 1 thread) | streams | output tok/s pred / meas "
+                      "(error) | TTFT p50 ms pred / meas (error) | TTFT p99 ms pred / meas (error) |",
+                  "|---|---|---|---|---|"]
+        for r in results["prediction"]:
+            cells = [f"{r[k + '_predicted']:.0f} / {r[k + '_measured']:.0f} ({_pct(r[k + '_rel_error'])})"
+                     for k in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")]
+            lines.append(f"| {r['workload']}, {r['router']} | {r['streams']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.0%}"
 
 
 def main() -> int:
@@ -125,6 +167,8 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench-results" / "replicas")
     ap.add_argument("--rounds", type=int, default=3, help="measured requests per stream (after one warm-up round)")
     ap.add_argument("--smoke", action="store_true", help="4 streams, 1 round, one server of each kind: plumbing only")
+    ap.add_argument("--simulate", action="store_true",
+                    help="also calibrate the simulator on one replica and state its error on the 2-replica rows")
     args = ap.parse_args()
     out: Path = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -147,8 +191,10 @@ def main() -> int:
             results["routing"].append({"router": router, "serve_flags": flags, "streams": prefix_streams, **row})
         finally:
             stop(proc)
-    cards = write_cards(out, streams, rounds)
-    results["simulate"] = simulate_commands(out, cards)
+    cards = write_cards(out, streams, prefix_streams, rounds)
+    results["simulate"] = simulate_commands(out, cards, prefix_streams)
+    if args.simulate:
+        results["prediction"] = simulate(results, out)
     (out / "replicas.json").write_text(json.dumps(results, indent=2))
     md = table(results)
     (out / "replicas.md").write_text(md)
