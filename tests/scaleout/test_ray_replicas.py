@@ -251,4 +251,5 @@ def test_autoscaling_adds_a_replica_when_requests_queue(tmp_path):
             finally:
                 stop.set()
             results = [r for f in streams for r in f.result(timeout=600)]
-        assert results and all(r[0] == "ok" and r[1] == "length" for r in results), results
+        bad = [r if r[0] == "error" else r[:2] for r in results if not (r[0] == "ok" and r[1] == "length")]
+        assert results and not bad, (len(bad), len(results), bad[:5])
