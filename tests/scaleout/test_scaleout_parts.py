@@ -111,3 +111,68 @@ def test_bad_serve_flags_exit_2_before_any_cluster_starts(flags, message, capsys
     import ray
 
     assert not ray.is_initialized()
+
+
+def _replica_on(app):
+    """The replica's forwarding on any ASGI app: the deployment's class without Ray (no engine, no actor)."""
+    from inferlab.scaleout.replica import EngineReplica
+
+    class Bare(EngineReplica.func_or_class):
+        def __del__(self) -> None:  # the deployment's (async) shutdown of an engine this one does not have
+            pass
+
+    replica = Bare.__new__(Bare)
+    replica.app, replica.replica_id = app, "r1"
+    return replica
+
+
+async def _collect(replica, request) -> list:
+    return [item async for item in replica.forward(request)]
+
+
+def test_forward_streams_the_apps_response_head_first_then_each_body_chunk():
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from inferlab.scaleout.messages import ForwardedRequest, ResponseHead
+
+    async def echo(request: Request):
+        body = await request.body()
+
+        async def parts():
+            for word in body.split():
+                yield b"data: " + word + b"\n\n"
+
+        return StreamingResponse(parts(), status_code=201, media_type="text/event-stream",
+                                 headers={"x-seen-auth": request.headers["authorization"]})
+
+    replica = _replica_on(Starlette(routes=[Route("/v1/echo", echo, methods=["POST"])]))
+    items = asyncio.run(_collect(replica, ForwardedRequest("POST", "/v1/echo", "", [("Authorization", "Bearer k")],
+                                                           b"one two three")))
+    head, body = items[0], items[1:]
+    assert isinstance(head, ResponseHead) and head.status == 201
+    headers = dict(head.headers)
+    assert headers["x-seen-auth"] == "Bearer k" and headers["x-inferlab-replica"] == "r1"
+    assert headers["content-type"].startswith("text/event-stream")
+    assert body == [b"data: one\n\n", b"data: two\n\n", b"data: three\n\n"]
+
+
+def test_forward_raises_when_the_app_fails_mid_response_instead_of_ending_quietly():
+    from inferlab.scaleout.messages import ForwardedRequest, ResponseHead
+
+    async def broken(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: a\n\n", "more_body": True})
+        raise ValueError("boom")
+
+    got: list = []
+
+    async def run():
+        async for item in _replica_on(broken).forward(ForwardedRequest("POST", "/x", "", [], b"")):
+            got.append(item)
+
+    with pytest.raises(RuntimeError, match="failed mid-response.*boom"):
+        asyncio.run(run())
+    assert isinstance(got[0], ResponseHead) and got[1:] == [b"data: a\n\n"]

@@ -94,6 +94,10 @@ class EngineReplica:
         finally:
             gone.set()
             await asyncio.gather(task, return_exceptions=True)
+        # Reached only when the response ended, not when the caller went away. An app that raised after its head
+        # must not look like a complete response: the ingress turns this into an error event (or a cut body).
+        if (error := task.exception()) is not None:
+            raise RuntimeError(f"the replica's app failed mid-response: {error!r}") from error
 
     async def _post_metrics(self) -> None:
         while True:
