@@ -72,6 +72,20 @@ def test_predict_writes_points_max_rate_replicas_and_disaggregation(setup, capsy
     assert "highest rate meeting the card's objectives" in text and "replicas needed for 12 req/s" in text
 
 
+def test_predict_closed_loop_users(setup):
+    """--users N simulates N concurrent streams (what `inferlab bench --concurrency N` measures) on the topology,
+    instead of a sweep of open-loop rates."""
+    card, profile, tmp = setup
+    out = tmp / "users.json"
+    assert main(["simulate", "predict", str(card), "--profile", str(profile), "--users", "2,8", "--replicas", "2",
+                 "--no-search", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [p["load"] for p in d["points"]] == ["concurrency 2", "concurrency 8"]
+    assert all(p["topology"] == "2 replicas (least-loaded)" and p["requests_per_s"] > 0 for p in d["points"])
+    assert "saturation_requests_per_s" not in d
+    assert main(["simulate", "predict", str(card), "--profile", str(profile), "--users", "0"]) == 2
+
+
 def test_searches_answer_what_they_claim(setup):
     card_path, profile, _ = setup
     card = load_card(card_path)

@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                 "the measured maximum lies within F of it when the card passes at the first and "
                                 "fails at the second")
             continue
+        q.add_argument("--users", default=None, help="closed loop instead of rates: concurrent users (streams), "
+                                                     "comma-separated, as `inferlab bench --concurrency`")
         q.add_argument("--replicas", type=int, default=1)
         q.add_argument("--router", default="least-loaded", help=ROUTER_HELP)
         q.add_argument("--prefill", type=int, default=0, help="P prefill instances (disaggregated; with --decode)")
@@ -222,6 +224,14 @@ def _predict(args) -> int:
 
         sc.trace = trace_requests(args.trace)
         points = [capacity.simulate(sc, speed=float(s)) for s in args.trace_speeds.split(",")]
+    elif args.users:
+        try:
+            users = [int(u) for u in args.users.split(",")]
+        except ValueError:
+            raise ValueError(f"--users {args.users!r}: give whole numbers, comma-separated, e.g. 16,64") from None
+        if any(u < 1 for u in users):
+            raise ValueError("--users must be >= 1")
+        points = [capacity.simulate(sc, users=u) for u in users]
     else:
         sat = capacity.saturation(sc)
         out["saturation_requests_per_s"] = sat

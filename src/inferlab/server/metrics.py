@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -121,6 +122,8 @@ class _EngineCollector(Collector):
         self.labels = labels
         self.stats = EngineStats()
         self.extra_gauges: dict[str, float] = {}  # set by the server: queue depth, in flight
+        self.block_size = 0  # set by the server: vllm:cache_config_info's block_size (0: not exported)
+        self.started = time.time()
 
     def collect(self) -> Iterator[Metric]:
         s, names, values = self.stats, list(self.labels), list(self.labels.values())
@@ -138,6 +141,21 @@ class _EngineCollector(Collector):
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        # For inference gateways' endpoint pickers (docs/scaleout.md): vLLM v0's name of the same gauge, which
+        # Gateway API Inference Extension releases before vLLM v1 read; LoRA info with no adapters (inferlab serves
+        # none), so a picker configured for LoRA affinity finds the series it scrapes; the block size its
+        # prefix-aware scorer needs.
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM v0's name of vllm:kv_cache_usage_perc).",
+                    s.kv_cache_usage)
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (inferlab serves no "
+                                 "adapters).", labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], self.started)
+        yield lora
+        if self.block_size:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
+                                     labels=["block_size", "num_gpu_blocks"])
+            info.add_metric([str(self.block_size), str(s.num_kv_blocks)], 1.0)
+            yield info
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions_total)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total)
