@@ -109,4 +109,5 @@ class EngineStats:
     kv_transfer_seconds_total: float = 0.0
     kv_transfer_stalls_total: int = 0  # sends refused for want of transfer-buffer room (backpressure)
     kv_transfer_pending: int = 0  # requests whose KV waits: to be sent (prefill), to be admitted (decode)
+    kv_transfer_free_blocks: int = 0  # prefill: transfer-buffer blocks free (the buffer's free list lives there)
     by_role: dict[str, "EngineStats"] = field(default_factory=dict)  # disaggregated: each worker's own stats

@@ -131,6 +131,7 @@ class _Loop:
         s.kv_transfers_total, s.kv_transfer_bytes_total = c.transfers, c.bytes
         s.kv_transfer_seconds_total, s.kv_transfer_stalls_total = c.seconds, c.stalls
         s.kv_transfer_pending = len(self.engine.handing_off) + len(self.pending)
+        s.kv_transfer_free_blocks = len(self.transport.free) if self.role is Role.PREFILL else 0
         return s
 
 

@@ -186,6 +186,8 @@ class _EngineCollector(Collector):
                           "want of transfer-buffer room (backpressure from decode).", lambda s: s.kv_transfer_stalls_total)
             yield gauge("inferlab:kv_transfer_pending", "Requests whose KV waits: to be sent (prefill), to be "
                         "admitted (decode).", lambda s: s.kv_transfer_pending)
+            yield gauge("inferlab:kv_transfer_buffer_free_blocks", "Free blocks of the KV transfer buffer (reported "
+                        "by prefill, which owns its free list; 0 on decode).", lambda s: s.kv_transfer_free_blocks)
         if top.cpu_threads:
             yield gauge("inferlab:cpu_threads", "Intra-op CPU threads the engine runs with now (fewer while the "
                         "machine is busy).", lambda s: s.cpu_threads)
