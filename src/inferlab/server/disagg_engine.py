@@ -63,6 +63,8 @@ class _Worker:
     process: mp.process.BaseProcess
     conn: Connection
     ready: Ready | None = None
+    sent: int = 0  # messages sent to the worker
+    answered: int = 0  # of those, handled by the worker as of its last Outputs
 
     def describe(self) -> str:
         code = self.process.exitcode
@@ -166,8 +168,11 @@ class DisaggEngine:
         return True
 
     def has_work(self) -> bool:
-        # A dead worker is work: the next step() reports it, which stops the server even when it is idle.
-        return bool(self._where or self._outputs) or not all(w.process.is_alive() for w in self.workers.values())
+        """Requests in flight, or messages a worker has not answered yet (an abort's freed blocks, a release of
+        transfer-buffer blocks: the stats and the forwarding that follow must not wait for the next request), or
+        a dead worker (the next step() reports it, which stops the server even when it is idle)."""
+        return (bool(self._where or self._outputs) or any(w.sent > w.answered for w in self.workers.values())
+                or not all(w.process.is_alive() for w in self.workers.values()))
 
     def step(self) -> list[RequestOutput]:
         conns = {w.conn: w for w in self.workers.values()}
@@ -194,6 +199,7 @@ class DisaggEngine:
     def _receive(self, msg) -> None:
         if isinstance(msg, Outputs):
             self._stats[msg.role.value] = msg.stats
+            self.workers[msg.role].answered = msg.handled
             for out in msg.outputs:
                 if out.finished:
                     self._where.pop(out.request_id, None)
@@ -214,6 +220,7 @@ class DisaggEngine:
         w = self.workers[role]
         try:
             w.conn.send(msg)
+            w.sent += 1
         except (BrokenPipeError, OSError) as e:
             w.process.join(1.0)
             raise WorkerDiedError(f"{w.describe()}; {len(self._where)} request(s) in flight failed") from e

@@ -61,6 +61,7 @@ class Outputs:  # one engine step's deltas and the stats after it
     role: Role
     outputs: list[RequestOutput]
     stats: EngineStats
+    handled: int  # router messages the worker has handled so far: the router steps until all are answered
 
 
 @dataclass(slots=True)

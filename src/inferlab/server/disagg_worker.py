@@ -63,6 +63,7 @@ class _Loop:
         self.role, self.engine, self.transport, self.conn = role, engine, transport, conn
         self.pending: deque[HandOff] = deque()  # decode: hand-offs waiting for admission, in arrival order
         self.errors: list[RequestOutput] = []  # requests refused here, reported with the next outputs
+        self.handled = 0
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -72,13 +73,14 @@ class _Loop:
             changed = False
             while conn.poll():
                 self._handle(conn.recv())
+                self.handled += 1
                 changed = True
             if self.role is Role.DECODE:
                 changed |= self._admit()
             outputs = engine.step() if engine.has_work() else []
             if outputs or changed or self.errors:
                 outputs, self.errors = self.errors + outputs, []
-                conn.send(Outputs(self.role, outputs, self._stats()))
+                conn.send(Outputs(self.role, outputs, self._stats(), self.handled))
             if self.role is Role.PREFILL:
                 self._send_kv()
 
