@@ -72,6 +72,9 @@ LONG = ("In the beginning the workshop made clocks, and every clock was wound by
 
 
 def test_greedy_outputs_identical_to_colocated_and_transformers(disagg, llm_fp32, hf_model):
+    from inferlab.server.engine_client import EngineClient
+
+    assert isinstance(disagg, EngineClient)
     prompts = ["The capital of France is", LONG, LONG + " Then", "def fibonacci(n):"]
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     got = drive(disagg, {f"g{i}": (p, greedy) for i, p in enumerate(prompts)})
