@@ -68,9 +68,10 @@ class _Loop:
     def run(self) -> None:
         engine, conn = self.engine, self.conn
         while True:
-            if not engine.has_work():
+            # decode: a request that just finished may have made room for a waiting hand-off
+            changed = self.role is Role.DECODE and self._admit()
+            if not engine.has_work() and not changed:
                 conn.poll(None)  # idle, or waiting for transfer room: only the router's next message changes that
-            changed = False
             while conn.poll():
                 self._handle(conn.recv())
                 self.handled += 1
