@@ -86,9 +86,12 @@ def test_greedy_outputs_identical_to_colocated_and_transformers(disagg, llm_fp32
         ids = torch.tensor([c.prompt_token_ids])
         hf = hf_model.generate(ids, do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
         assert got[f"g{i}"] == hf[0, ids.shape[1]:].tolist(), p[:40]
-    # the third prompt extends the second: prefill served its prefix from the prefix cache
-    assert disagg.stats().by_role["prefill"].prefix_cache_hits_total > 0
-    assert disagg.stats().by_role["prefill"].kv_transfers_total >= len(prompts)
+    # the third prompt extends the second: prefill served its prefix from its prefix cache, and decode took the
+    # blocks it already held from its own instead of copying them again
+    roles = disagg.stats().by_role
+    assert roles["prefill"].prefix_cache_hits_total > 0 and roles["decode"].prefix_cache_hits_total > 0
+    assert roles["prefill"].kv_transfers_total >= len(prompts)
+    assert roles["decode"].kv_transfer_bytes_total < roles["prefill"].kv_transfer_bytes_total
 
 
 def test_seeded_sampling_continues_across_the_hand_off(disagg, llm_fp32):
