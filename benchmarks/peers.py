@@ -16,6 +16,11 @@ Peers live in throwaway venvs, never in the project's dependencies:
 package's file). vLLM's script serves SmolLM2 only, so it is not a target for gemma3.
 For each run the CPU time used by anything other than the server and the bench client is recorded from /proc, since
 a busy second core changes every figure on a 2-core machine.
+
+Memory is a cost beside speed: each target's resident memory is read from /proc once it answers and has idled
+--settle seconds (idle), and sampled every 0.25 s during each workload (peak). A server of several processes (vLLM's
+API server and engine core, the bash that starts it) is the sum over its process tree: RSS as `ps` shows it
+(libraries shared between the processes counted in each) and PSS (shared pages split), both in the JSON.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -36,6 +42,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # ../shared beside the checkout (/work/main); a worktree under /work/wt/ finds it at /work/shared.
 SHARED = next((p for p in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if p.is_dir()), ROOT.parent / "shared")
+sys.path.insert(0, str(ROOT / "src"))
+
+from inferlab.common.process_memory import tree_memory  # noqa: E402
+
+MiB = 2**20
 
 # name -> (concurrency, requests sent, input tokens, output tokens). The first round (one request per stream) is
 # warmup, left out of the statistics: with equal lengths a closed loop runs in rounds, and warmup requests sharing
@@ -71,7 +82,6 @@ def free_port() -> int:
 
 
 def gguf_path(model: str = "smollm2") -> str:
-    sys.path.insert(0, str(ROOT / "src"))
     from inferlab.common import bundled
 
     return str(getattr(bundled, MODELS[model][0])())
@@ -164,6 +174,37 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
+class PeakMemory:
+    """The highest RSS and PSS of a server's process tree, sampled on a thread while a workload runs."""
+
+    def __init__(self, pid: int, interval: float = 0.25):
+        self.pid, self.interval = pid, interval
+        self.rss = self.pss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        try:
+            m = tree_memory(self.pid)
+        except ProcessLookupError:
+            return
+        self.rss, self.pss = max(self.rss, m.rss), max(self.pss, m.pss)
+
+    def __enter__(self) -> "PeakMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 def run_bench(base_url: str, model: str | None, wl: str, outdir: Path, quick: bool) -> tuple[dict, float]:
     conc, n, inp, out = WORKLOADS[wl]
     if quick:
@@ -209,6 +250,8 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--quick", action="store_true", help="a third of the requests per workload")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds a ready server idles before its idle memory "
+                                                              "is read")
     ap.add_argument("--out", default="bench-results/peers.json")
     args = ap.parse_args()
     names = (args.targets or MODELS[args.model][2]).split(",")
@@ -228,20 +271,27 @@ def main() -> int:
         base = f"http://127.0.0.1:{port}"
         try:
             wait_ready(base, proc, args.ready_timeout)
+            time.sleep(args.settle)
+            idle = tree_memory(proc.pid)
+            results.setdefault(name, {})["memory"] = {"idle_rss_bytes": idle.rss, "idle_pss_bytes": idle.pss}
+            print(f"   idle: RSS {idle.rss / MiB:.0f} MiB, PSS {idle.pss / MiB:.0f} MiB (process tree)", flush=True)
             for wl in args.workloads.split(","):
                 outdir = Path(tempfile.mkdtemp(prefix=f"peer-{name}-{wl}-"))
                 server0 = tree_jiffies(proc.pid)
                 busy0, tot0 = cpu_jiffies()
-                res, busy_frac = run_bench(base, t.model_name, wl, outdir, args.quick)
+                with PeakMemory(proc.pid) as peak:
+                    res, busy_frac = run_bench(base, t.model_name, wl, outdir, args.quick)
                 busy1, tot1 = cpu_jiffies()
                 server_frac = (tree_jiffies(proc.pid) - server0) / max(1, tot1 - tot0)
                 row = summarize(res)
                 row["machine_busy_frac"] = busy_frac
                 row["server_cpu_frac"] = server_frac
-                results.setdefault(name, {})[wl] = row
+                row["idle_rss_bytes"], row["idle_pss_bytes"] = idle.rss, idle.pss
+                row["peak_rss_bytes"], row["peak_pss_bytes"] = peak.rss, peak.pss
+                results[name][wl] = row
                 print(f"   {wl:8s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
                       f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
-                      f"busy {busy_frac:.2f} (server {server_frac:.2f})", flush=True)
+                      f"busy {busy_frac:.2f} (server {server_frac:.2f})  peak RSS {peak.rss / MiB:.0f} MiB", flush=True)
         except RuntimeError as e:
             print(f"   {name}: {e}; see {log.name}", flush=True)
             results[name] = {"error": str(e)}
@@ -259,10 +309,10 @@ def main() -> int:
 
 def print_table(results: dict) -> None:
     results = {k: v for k, v in results.items() if not k.startswith("_")}
-    wls = sorted({wl for r in results.values() for wl in r if wl != "error"}, key=list(WORKLOADS).index)
+    wls = sorted({wl for r in results.values() for wl in r if wl in WORKLOADS}, key=list(WORKLOADS).index)
     print("\n| workload | target | output tok/s | prompt tok/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | ITL p99 | "
-          "inferlab / target |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "idle RSS (MiB) | peak RSS (MiB) | inferlab / target |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for wl in wls:
         base = results.get("inferlab", {}).get(wl, {}).get("output_tokens_per_s")
         for name, r in results.items():
@@ -272,8 +322,10 @@ def print_table(results: dict) -> None:
             out = row["output_tokens_per_s"]
             ratio = f"{base / out:.2f}x" if base and out and name != "inferlab" else ""
             f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
+            mib = lambda v: "—" if not v else f"{v / MiB:.0f}"  # noqa: E731
             print(f"| {wl} | {name} | {out:.1f} | {f(row.get('input_tokens_per_s'))} | {f(row['ttft_p50_ms'])} | "
-                  f"{f(row['ttft_p99_ms'])} | {f(row['itl_p50_ms'])} | {f(row['itl_p99_ms'])} | {ratio} |")
+                  f"{f(row['ttft_p99_ms'])} | {f(row['itl_p50_ms'])} | {f(row['itl_p99_ms'])} | "
+                  f"{mib(row.get('idle_rss_bytes'))} | {mib(row.get('peak_rss_bytes'))} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 # name -> (module, one-line help). The module defines add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("inferlab.engine.demo", "answer chat prompts offline on a model (default: the bundled one), with a throughput line"),
-    "serve": ("inferlab.server.cli", "start the OpenAI-compatible streaming server"),
+    "serve": ("inferlab.scaleout.cli", "start the OpenAI-compatible streaming server (--replicas N: on Ray Serve)"),
     "bench": ("inferlab.bench.cli", "load-test any OpenAI-compatible server and report latency percentiles"),
     "fake-server": ("inferlab.bench.fake_server_cli", "a deterministic OpenAI-compatible server with known timings"),
     "compare": ("inferlab.bench.compare", "show two bench result files side by side with deltas"),

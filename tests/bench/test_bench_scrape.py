@@ -50,3 +50,34 @@ def test_vllm_histograms_counters_and_gauges():
     assert out["prefix_cache_hit_rate"] == pytest.approx(0.75)
     assert out["requests_waiting"] == {"mean": 1.5, "max": 3.0}
     assert out["series"]["t"] == [1.0, 2.5] and out["series"]["prefix_cache_hit_rate"] == [None, 0.75]
+
+
+def test_role_labelled_series_are_summed_and_kept_apart_by_role():
+    """inferlab serve --disaggregate: every engine series carries role=prefill|decode."""
+    reg = CollectorRegistry()
+    labels = ["model_name", "engine", "role"]
+    gen = Counter("vllm:generation_tokens", "generated", labels, registry=reg)
+    kv = Counter("inferlab:kv_transfer_bytes", "bytes", labels, registry=reg)
+    secs = Counter("inferlab:kv_transfer_seconds", "s", labels, registry=reg)
+    running = Gauge("vllm:num_requests_running", "running", labels, registry=reg)
+    for role in ("prefill", "decode"):
+        gen.labels("m", "0", role).inc(0)
+        kv.labels("m", "0", role).inc(0)
+        secs.labels("m", "0", role).inc(0)
+    s = Scraper(None, "http://x")
+    s.samples.append(parse(generate_latest(reg).decode()))
+    gen.labels("m", "0", "prefill").inc(5)
+    gen.labels("m", "0", "decode").inc(155)
+    kv.labels("m", "0", "prefill").inc(1000)
+    kv.labels("m", "0", "decode").inc(800)
+    secs.labels("m", "0", "prefill").inc(0.5)
+    running.labels("m", "0", "decode").set(7)
+    s.samples.append(parse(generate_latest(reg).decode()))
+    running.labels("m", "0", "decode").set(2)
+    s.samples.append(parse(generate_latest(reg).decode()))
+    out = s.summary()
+    assert out["kv_transfer_bytes"] == 1800 and out["kv_transfer_seconds"] == pytest.approx(0.5)
+    assert out["by_role"]["prefill"]["generation_tokens_total"] == 5
+    assert out["by_role"]["decode"]["generation_tokens_total"] == 155
+    assert out["by_role"]["decode"]["kv_transfer_bytes_total"] == 800
+    assert out["by_role"]["decode"]["num_requests_running"] == 7  # the maximum over the scrapes

@@ -1,23 +1,32 @@
-"""The thread adapter on synthetic step-time traces: it steps down when the team stalls, probes its way back,
-and keeps a user's explicit choice. Time is a fake clock advanced by each synthetic step, so nothing here
-depends on the machine's speed."""
+"""The thread adapter on synthetic traces of step times and of the threads' wait for a CPU: it steps down when
+the team stalls or shares its cores, probes its way back when a core is free, and keeps a user's explicit choice.
+Time is a fake clock advanced by each synthetic step, so nothing here depends on the machine's speed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from inferlab.engine.cpu_contention import Contention
 from inferlab.engine.cpu_threads import ThreadAdapter, explicit_setting, thread_levels
 
 
 class Sim:
-    """A fake machine: step time is a function of (threads, now); the adapter's clock advances by it."""
+    """A fake machine: step time is a function of the thread count; the adapter's clock advances by it. `wait`
+    gives the team's wait for a CPU at a thread count, `foreign` what other processes use (CPUs of 2)."""
 
-    def __init__(self, levels: list[int], pressure: float | None = None):
+    def __init__(self, levels: list[int], wait: Callable[[int], float] | None = None, foreign: float = 0.0):
         self.now = 0.0
         self.calls: list[int] = []
-        self.pressure = pressure
-        self.adapter = ThreadAdapter(levels, self.calls.append, clock=lambda: self.now,
-                                     pressure=lambda: self.pressure)
+        self.wait = wait
+        self.foreign = foreign
+        self._last = 0.0
+        self.adapter = ThreadAdapter(levels, self.calls.append, clock=lambda: self.now, contention=self._read)
+
+    def _read(self, threads: int) -> Contention | None:
+        last, self._last = self._last, self.now
+        if self.wait is None or self.now <= last:
+            return None
+        return Contention(self.now - last, self.wait(threads), self.foreign, 2)
 
     def run(self, seconds: float, step_time: Callable[[int], float], tokens: int = 16) -> None:
         end = self.now + seconds
@@ -93,24 +102,55 @@ def test_a_probe_that_is_faster_though_not_quiet_wins():
     assert "faster" in sim.reasons()
 
 
-def test_pressure_starts_a_trial_kept_only_if_faster():
-    # Busy from the start: the reference itself is slow, so step times look normal; only pressure tells.
-    sim = Sim([2, 1], pressure=60.0)
-    sim.run(5.0, {2: 0.040, 1: 0.016}.get)
+def test_busy_from_the_start_is_caught_by_the_threads_wait():
+    # The reference itself is stalled, so step times look normal; the threads' wait for a CPU tells.
+    shared = {2: 0.5, 1: 0.05}  # two threads each wait half the time; one thread has a core of its own
+    sim = Sim([2, 1], wait=shared.get, foreign=1.0)
+    sim.run(30.0, {2: 0.040, 1: 0.016}.get)
     assert sim.adapter.threads == 1
-    assert sim.adapter.fallbacks == {"pressure": 1}
-    # Pressure from processes that do not slow us: the trial is measured slower and undone, and not retried at once.
-    sim = Sim([2, 1], pressure=60.0)
-    sim.run(5.0, QUIET.get)
-    assert sim.adapter.threads == 2
-    assert sim.reasons().count("trial_failed") == 1 and sim.reasons().count("pressure") == 1
+    assert sim.adapter.fallbacks == {"contended": 1}
+    assert "waited for a CPU 50%" in sim.adapter.decisions[0].detail
+    # A neighbour using a whole CPU leaves none free for a second thread: no probe before the longest hold.
+    assert "probe" not in sim.reasons() and sim.calls == [1]
+    sim.run(40.0, {2: 0.040, 1: 0.016}.get)  # past HOLD_MAX a probe runs anyway, and its first read ends it
+    assert sim.reasons()[-2:] == ["probe", "probe_failed"]
+    assert sim.adapter.threads == 1
+    # The neighbour leaves: the next probe finds a free core, its threads no longer wait, and it is faster.
+    sim.wait, sim.foreign = {2: 0.02, 1: 0.01}.get, 0.0
+    sim.run(140.0, QUIET.get)
+    assert sim.adapter.threads == 2 and sim.reasons()[-1] == "quiet"
+
+
+def test_a_server_started_beside_a_busy_neighbour_starts_with_fewer_threads():
+    sim = Sim([2, 1], wait=lambda t: 0.0, foreign=1.0)  # idle threads wait for nothing: only the others' use tells
+    sim.adapter.settle_in(0.2, sleep=lambda s: setattr(sim, "now", sim.now + s))
+    assert sim.adapter.threads == 1 and sim.adapter.fallbacks == {"contended": 1}
+    assert "at start, other processes used 1.0 of 2 CPUs" in sim.adapter.decisions[-1].detail
+    sim.run(30.0, {2: 0.040, 1: 0.016}.get)  # and it does not probe while they keep a core
+    assert "probe" not in sim.reasons()
+    for foreign in (0.0, 0.3):  # a quiet machine, or a light client beside the server: the full team
+        sim = Sim([2, 1], wait=lambda t: 0.0, foreign=foreign)
+        sim.adapter.settle_in(0.2, sleep=lambda s: setattr(sim, "now", sim.now + s))
+        assert sim.adapter.threads == 2 and sim.calls == []
+
+
+def test_a_light_client_neither_drops_threads_nor_blocks_probes():
+    # bench's client on the same machine: our threads wait a little, a third of a CPU is used by others.
+    sim = Sim([2, 1], wait={2: 0.12, 1: 0.02}.get, foreign=0.3)
+    sim.run(30.0, QUIET.get)
+    assert sim.calls == []
+    # Dropped for another reason (a burst of stalls), the engine probes back at the first hold: a core is free.
+    sim.run(3.5, AUTOGROUP.get)
+    assert sim.adapter.threads == 1 and sim.reasons() == ["stall"]
+    sim.run(10.0, QUIET.get)
+    assert sim.adapter.threads == 2 and "probe" in sim.reasons()
 
 
 def test_a_quiet_noisy_trace_never_changes_threads():
     import random
 
     rng = random.Random(0)
-    sim = Sim([2, 1], pressure=0.5)
+    sim = Sim([2, 1], wait=lambda t: 0.05, foreign=0.2)
     sim.run(60.0, lambda t: QUIET[t] * (1 + 0.3 * rng.random()) * (5 if rng.random() < 0.01 else 1))
     assert sim.calls == []
 

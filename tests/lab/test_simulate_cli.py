@@ -14,7 +14,7 @@ from inferlab.lab import capacity
 from inferlab.lab.card import load_card
 from inferlab.lab.calibrate import shape_from
 from inferlab.lab.sim_workload import card_requests
-from inferlab.lab.simulate_cli import compare
+from inferlab.lab.simulate_cli import compare, max_rate_verdict
 from inferlab.lab.step_cost import StepCost
 
 CARD = """
@@ -72,6 +72,20 @@ def test_predict_writes_points_max_rate_replicas_and_disaggregation(setup, capsy
     assert "highest rate meeting the card's objectives" in text and "replicas needed for 12 req/s" in text
 
 
+def test_predict_closed_loop_users(setup):
+    """--users N simulates N concurrent streams (what `inferlab bench --concurrency N` measures) on the topology,
+    instead of a sweep of open-loop rates."""
+    card, profile, tmp = setup
+    out = tmp / "users.json"
+    assert main(["simulate", "predict", str(card), "--profile", str(profile), "--users", "2,8", "--replicas", "2",
+                 "--no-search", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [p["load"] for p in d["points"]] == ["concurrency 2", "concurrency 8"]
+    assert all(p["topology"] == "2 replicas (least-loaded)" and p["requests_per_s"] > 0 for p in d["points"])
+    assert "saturation_requests_per_s" not in d
+    assert main(["simulate", "predict", str(card), "--profile", str(profile), "--users", "0"]) == 2
+
+
 def test_searches_answer_what_they_claim(setup):
     card_path, profile, _ = setup
     card = load_card(card_path)
@@ -112,6 +126,17 @@ def test_compare_reports_relative_errors():
     assert rows["goodput share"]["rel_error"] == 0.0
 
 
+def test_the_max_rate_check_brackets_the_prediction():
+    bracket = (2.0, 1.7, 2.3)
+    points = lambda lo, hi: [{"rate": 1.7, "meets_measured": lo}, {"rate": 2.3, "meets_measured": hi}]
+    v = max_rate_verdict(bracket, 0.15, points(True, False))
+    assert v["within"] and "within 15% of the prediction" in v["verdict"]
+    assert not max_rate_verdict(bracket, 0.15, points(False, False))["within"]
+    assert "below the lower bound" in max_rate_verdict(bracket, 0.15, points(False, False))["verdict"]
+    assert "above the upper bound" in max_rate_verdict(bracket, 0.15, points(True, True))["verdict"]
+    assert "undetermined" in max_rate_verdict(bracket, 0.15, points(True, None))["verdict"]
+
+
 def test_bad_input_is_named(setup, capsys):
     card, profile, tmp = setup
     assert main(["simulate", "predict", str(card), "--profile", str(tmp / "nope.json")]) == 2
@@ -120,6 +145,8 @@ def test_bad_input_is_named(setup, capsys):
     assert "--rates '1,x'" in capsys.readouterr().err
     assert main(["simulate", "predict", str(card), "--profile", str(profile), "--router", "random"]) == 2
     assert "unknown router 'random'" in capsys.readouterr().err
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--max-rate-within", "1.5"]) == 2
+    assert "--max-rate-within 1.5: give a fraction between 0 and 1" in capsys.readouterr().err
 
 
 def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):

@@ -18,13 +18,13 @@ def _samples(m: ServerMetrics) -> dict[tuple[str, str | None], float]:
 
 def test_threads_fallbacks_and_recoveries_are_exported():
     m = ServerMetrics("smol")
-    m.engine.stats = EngineStats(cpu_threads=1, cpu_threads_max=2, cpu_fallbacks_total={"stall": 3, "pressure": 1},
+    m.engine.stats = EngineStats(cpu_threads=1, cpu_threads_max=2, cpu_fallbacks_total={"stall": 3, "contended": 1},
                                  cpu_recoveries_total=2)
     s = _samples(m)
     assert s[("inferlab:cpu_threads", None)] == 1 and s[("inferlab:cpu_threads_max", None)] == 2
     assert s[("inferlab:cpu_fallbacks_total", "stall")] == 3
     assert s[("inferlab:cpu_fallbacks_total", "slow")] == 0  # every reason is exported, so rate() works from zero
-    assert s[("inferlab:cpu_fallbacks_total", "pressure")] == 1
+    assert s[("inferlab:cpu_fallbacks_total", "contended")] == 1
     assert s[("inferlab:cpu_recoveries_total", None)] == 2
 
 

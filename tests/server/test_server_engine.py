@@ -481,3 +481,12 @@ def test_serve_second_sigterm_ends_the_drain_with_errors_and_exits_4(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_refuses_a_kv_pool_smaller_than_one_block_with_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "inferlab", "serve", "--port", "1", "--dtype", "float32", "--kv-cache-memory", "1KiB",
+         "--log-level", "warning"],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--kv-cache-memory 1024 B holds no KV block" in proc.stderr, proc.stderr[-2000:]

@@ -327,6 +327,27 @@ def test_metrics_use_vllm_names_and_labels(fake_server):
     assert "_created" not in m
 
 
+def test_metrics_carry_what_an_inference_gateways_endpoint_picker_reads(fake_server):
+    """The Gateway API Inference Extension's model-server protocol (docs/scaleout.md): queue depth and running
+    requests, KV-cache utilisation under both its names (vLLM v1's and v0's), LoRA info (no adapters) and the KV
+    block size for prefix-aware scoring; read back with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = fake_server()
+    _client(s).completions.create(model="fake-model", prompt="a b c", max_tokens=4)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(s.base + "/metrics").text)}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc", "vllm:lora_requests_info", "vllm:cache_config_info"):
+        assert families[name].type == "gauge", name
+    kv = [f.samples[0].value for f in (families["vllm:kv_cache_usage_perc"], families["vllm:gpu_cache_usage_perc"])]
+    assert kv[0] == kv[1]
+    (lora,) = families["vllm:lora_requests_info"].samples
+    assert lora.labels == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert lora.value > 1.7e9  # a Unix timestamp: the picker keeps the newest series
+    (cache,) = families["vllm:cache_config_info"].samples
+    assert cache.labels["block_size"] == str(s.engine.config.block_size) and cache.value == 1
+
+
 def test_engine_crash_fails_requests_clearly_and_health_reports_it(fake_server):
     engine = FakeEngine(fail_on_step=True)
     s = fake_server(engine)

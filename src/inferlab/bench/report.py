@@ -124,7 +124,17 @@ def print_results(results: dict, console=None) -> None:
                 parts.append(f"preemptions {sm['preemptions']:g}")
             if sm.get("prefix_cache_hit_rate") is not None:
                 parts.append(f"prefix-cache hit rate {sm['prefix_cache_hit_rate']:.1%}")
+            if sm.get("kv_transfer_bytes"):
+                parts.append(f"KV handed over {sm['kv_transfer_bytes'] / 2**20:.1f} MiB"
+                             f" ({sm['kv_transfers']:g} copies, {format_ms(sm['kv_transfer_seconds'])} copying)")
             con.print("server: " + (", ".join(parts) or "no known series"))
+            for role, c in sm.get("by_role", {}).items():
+                con.print(f"  {role}: " + ", ".join(
+                    f"{label} {c[key]:g}" for key, label in (
+                        ("prompt_tokens_total", "prompt tokens"), ("generation_tokens_total", "generated tokens"),
+                        ("engine_step_seconds_total", "busy s"), ("num_requests_running", "running max"),
+                        ("kv_cache_usage_perc", "KV use max"), ("kv_transfer_bytes_total", "KV bytes"),
+                        ("kv_transfer_stalls_total", "transfer stalls")) if key in c))
         elif sm:
             con.print(f"server metrics: {sm['error']}")
         for w in run["warnings"]:

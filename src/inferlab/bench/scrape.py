@@ -3,6 +3,9 @@
 Counters (preemptions, prefix-cache hits and queries, queue-time sums) are differenced between the first and
 last scrape; gauges (KV-cache usage, requests waiting and running) are sampled every interval. Names are
 matched without their namespace, so vLLM's `vllm:`, SGLang's `sglang:` and inferlab's own series all work.
+A disaggregated server (`inferlab serve --disaggregate`) labels its engine series with `role` (prefill, decode):
+the totals sum over roles, and `by_role` gives each role's counter differences and gauge maxima apart, with the
+KV hand-offs' bytes and copy time.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ COUNTERS = {
     "preemptions": ("num_preemptions_total", "num_preemption_total", "preemptions_total"),
     "prefix_cache_hits": ("prefix_cache_hits_total", "gpu_prefix_cache_hits_total", "cache_hit_tokens_total"),
     "prefix_cache_queries": ("prefix_cache_queries_total", "gpu_prefix_cache_queries_total", "cache_query_tokens_total"),
+    "kv_transfers": ("kv_transfers_total",),
+    "kv_transfer_bytes": ("kv_transfer_bytes_total",),
+    "kv_transfer_seconds": ("kv_transfer_seconds_total",),
 }
 # our name -> histogram family names (vLLM's; each exported as _bucket, _sum and _count series): the mean over
 # the run is Δ_sum / Δ_count. vLLM observes these when a request finishes. Its queue time is the WAITING phase
@@ -47,6 +53,27 @@ def parse(text: str) -> dict[str, float]:
             out[name] = out.get(name, 0.0) + float(s.value)
             out.setdefault("__raw__:" + s.name, 0.0)
             out["__raw__:" + s.name] += float(s.value)
+            if "role" in s.labels:
+                key = f"__role__:{s.labels['role']}:{name}"
+                out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
+def _by_role(first: dict[str, float], samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per role: counters (`*_total`) as differences over the run, gauges as their maximum over the scrapes."""
+    last = samples[-1]
+    out: dict[str, dict[str, float]] = {}
+    for key in last:
+        if not key.startswith("__role__:"):
+            continue
+        _, role, name = key.split(":", 2)
+        if name.endswith("_total"):
+            value = last[key] - first.get(key, 0.0)
+        elif name.endswith(("_bucket", "_sum", "_count")):
+            continue
+        else:
+            value = max(s.get(key, 0.0) for s in samples)
+        out.setdefault(role, {})[name] = value
     return out
 
 
@@ -129,6 +156,8 @@ class Scraper:
             out[f"{name}_sum"], out[f"{name}_count"] = total, count
             if count > 0:
                 out[f"{name}_mean_s"] = total / count
+        if by_role := _by_role(first, self.samples):
+            out["by_role"] = by_role
         if out["prefix_cache_queries"]:
             out["prefix_cache_hit_rate"] = out["prefix_cache_hits"] / out["prefix_cache_queries"]
         for name, keys in GAUGES.items():

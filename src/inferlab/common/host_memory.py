@@ -11,12 +11,20 @@ the environment wins, as does a preloaded allocator (tcmalloc, jemalloc), where 
 
 The KV pool is read in scattered 2 KiB blocks; on 4 KiB pages nearly every block is a TLB miss, so the pool asks for
 transparent huge pages (`madvise`, honoured where THP is in `madvise` or `always` mode) before it is first written.
+It lives on its own anonymous mapping, whose pages the kernel zero-fills on first touch: the pool costs memory as
+sequences write to it, not all at start (a 1 GiB pool zeroed by hand was 1 GiB resident before the first request).
+
+After the model is loaded, the heap holds hundreds of MiB that loading freed (GGUF dequantization's float32
+copies, state-dict conversions) but glibc keeps, since the trim threshold above stops it from giving the heap
+back: `release_free_heap` returns those pages once (malloc_trim), and the step buffers then settle on what stays.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import os
 
 import torch
@@ -66,6 +74,29 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return end > start and madvise(start, end - start, MADV_HUGEPAGE) == 0
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros on a private anonymous mapping of its own: the kernel gives each page as zeros when it
+    is first touched, so untouched parts cost address space, not memory. The mapping lives as long as the tensor
+    (torch.frombuffer keeps a reference to it)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    # MAP_PRIVATE: Python's default for an anonymous map is MAP_SHARED, which is shmem (not anonymous memory, and no
+    # transparent huge pages unless shmem_enabled allows them).
+    buf = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+def release_free_heap() -> bool:
+    """Give the heap's free pages back to the kernel once (glibc's malloc_trim(0)); returns whether any were.
+    Call it after loading, never per step (it would undo keep_step_buffers)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
 
 
 def available_memory() -> int:

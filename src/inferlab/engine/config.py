@@ -34,7 +34,8 @@ class EngineConfig:
     device: str = field(default="auto", metadata=_flag("auto | cpu | cuda[:N]"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block"))
     kv_cache_memory: int | None = field(default=None, metadata=_flag(
-        "KV pool size, e.g. 512MiB or 2GB (default: a share of free memory, capped)", type=_bytes))
+        "KV pool size, e.g. 512MiB or 2GB (default: room for --max-num-seqs sequences at the full context, "
+        "capped at min(1 GiB, 20%% of free memory); see engine/kv_pool.py)", type=_bytes))
     max_num_seqs: int = field(default=64, metadata=_flag("running sequences per step"))
     max_num_batched_tokens: int = field(default=512, metadata=_flag(
         "tokens (prefill chunks + decodes) per step"))

@@ -6,12 +6,17 @@ autogroup, a noisy VM neighbour, a CFS quota) each parallel region waits for a d
 that took 13 ms takes a scheduler period or more (measured: batch-1 decode at 1% of its quiet speed). One
 thread fewer per region degrades in proportion to the CPU lost instead.
 
-The signal is the step time itself, relative to what a step of the same size (tokens, bucketed by powers of two)
-took at the full thread count: it needs no kernel interface and measures exactly what users feel. CPU pressure
-(/proc/pressure/cpu) only triggers a trial of fewer threads, kept if measured faster, because a reference taken
-while the machine was already busy looks normal. The way back is measured too: after a hold time the engine
-probes one level up; a probe that stalls ends at once and doubles the hold (2 s to 64 s), so probing a busy
-machine costs a step or so per minute.
+Two signals, measured:
+- Our threads' wait for a CPU (engine/cpu_contention.py: run_delay from schedstat, per thread of the team, no
+  reference needed). Over a quarter of the time spent waiting means the team shares its cores: one thread fewer.
+  It is what catches a machine that was already busy at start-up, whose stalled steps would look normal.
+- The step time, relative to what a step of the same size (tokens, bucketed by powers of two) took at the full
+  thread count: two steps in a row four times slower ("stall"), or a median 1.8x slower ("slow": a CFS quota
+  throttles without our threads waiting on a run queue).
+The way back is measured too. After a hold time the engine probes one level up, but only when the other processes
+leave a core free (their CPU time, from /proc/stat), or after the longest hold whatever they use (a nice-19
+neighbour takes CPU we would win back). A probe whose threads wait, or that stalls, ends at once and doubles the
+hold (2 s to 64 s); one that runs faster than the fallback stays.
 
 The lever is `torch.set_num_threads` on the engine thread: libgomp sizes each parallel region from it. Passive
 waiting (OMP_WAIT_POLICY, GOMP_SPINCOUNT) cannot be the lever: libgomp reads them once, at start-up.
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inferlab.common.cpu_budget import CpuBudget, cpu_budget
+from inferlab.engine.cpu_contention import Contention, ContentionMeter
 
 log = logging.getLogger("inferlab.engine")
 
@@ -38,29 +44,20 @@ STALL = 4.0  # two steps in a row this slow: step down at once (a stalled step m
 RECOVER = 1.3  # a winning probe this close to the quiet reference is logged as "quiet", else as "faster"
 BETTER = 0.85  # a setting must be this much faster than the other to count as faster
 HOLD_MIN, HOLD_MAX = 2.0, 64.0  # seconds before probing more threads; doubled after each failed probe
-PRESSURE_BUSY = 10.0  # /proc/pressure/cpu "some avg10" (%) that starts a trial of fewer threads
-TRIAL_EVERY = 30.0  # seconds between such trials
 REF_DRIFT = 1.002  # the quiet reference may rise 0.2% per full-thread step (longer contexts cost more)
-PRESSURE_FILE = Path("/proc/pressure/cpu")
-FALLBACK_REASONS = ("stall", "slow", "pressure")  # the label values of inferlab:cpu_fallbacks_total
-
-
-def cpu_pressure(path: Path = PRESSURE_FILE) -> float | None:
-    """The share of the last 10 s in which some runnable task waited for a CPU (%), or None without PSI."""
-    try:
-        for line in path.read_text().splitlines():
-            if line.startswith("some "):
-                return float(dict(kv.split("=") for kv in line.split()[1:])["avg10"])
-    except (OSError, ValueError, KeyError):
-        pass
-    return None
+SAMPLE_EVERY = 0.05  # seconds between contention reads (a read lists and reads every thread's schedstat)
+WAIT_BUSY = 0.25  # a team whose threads wait this share of the time for a CPU is sharing its cores
+# Probe one more thread only when the other processes leave it this much of a CPU. Measured on the 2-core
+# machine: a busy loop in another session shows as ~1.0 CPU; the bench client of `make run`, ~0.3.
+SPARE_CPU = 0.5
+FALLBACK_REASONS = ("stall", "slow", "contended")  # the label values of inferlab:cpu_fallbacks_total
 
 
 @dataclass(slots=True)
 class ThreadDecision:
     time: float  # the adapter's clock
     threads: int
-    reason: str  # budget | stall | slow | pressure | quiet | faster | probe_failed | trial_failed
+    reason: str  # budget | explicit | stall | slow | contended | quiet | faster | probe_failed
     detail: str
 
 
@@ -71,20 +68,22 @@ class ThreadAdapter:
     levels: list[int]  # thread counts, most first: the budget, halved down to 1
     set_threads: Callable[[int], None]
     clock: Callable[[], float] = time.monotonic
-    pressure: Callable[[], float | None] = cpu_pressure
+    contention: Callable[[int], Contention | None] = field(default_factory=lambda: ContentionMeter().read)
     adaptive: bool = True
     level: int = 0
-    mode: str = "steady"  # steady | probe (one level up, on trial) | trial (one level down, pressure-triggered)
+    mode: str = "steady"  # steady | probe (one level up, on trial)
     decisions: list[ThreadDecision] = field(default_factory=list)
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count of steps down
     recoveries: int = 0
     _ref: dict[int, float] = field(default_factory=dict)  # size bucket -> quiet step time at levels[0]
     _window: list[float] = field(default_factory=list)  # step time / quiet reference, since the last change
-    _compare: float = 0.0  # median ratio of the setting a probe or trial is measured against
+    _compare: float = 0.0  # median ratio of the setting a probe is measured against
     _hold: float = HOLD_MIN
     _probe_at: float = 0.0
-    _next_trial: float = 0.0
-    _next_pressure_read: float = 0.0
+    _forced_probe_at: float = 0.0  # a probe whatever the other processes use (HOLD_MAX after a change)
+    _next_sample: float = 0.0
+    _foreign: list[float] = field(default_factory=lambda: [0.0, 0.0])  # other processes' CPU-seconds, wall seconds
+    _cpus: int = 0  # the machine's CPUs, from the last contention read
 
     @property
     def threads(self) -> int:
@@ -95,45 +94,83 @@ class ThreadAdapter:
             return
         bucket = num_tokens.bit_length()
         ref = self._ref.get(bucket)
-        if self.level == 0:
-            self._ref[bucket] = seconds if ref is None else min(ref * REF_DRIFT, seconds)
         if ref is None:
+            # First seen below the full team (busy from the start): a provisional reference, replaced as soon as
+            # the full team runs that size faster. Not during a probe, which is measured against it.
+            self._ref[bucket] = seconds
+        elif self.level == 0 and self.mode == "steady":
+            self._ref[bucket] = min(ref * REF_DRIFT, seconds)
+        if self._contended() or ref is None:
             return
         w = self._window
         w.append(seconds / ref)
         if self.mode == "probe":
             self._on_probe()
-        elif self.mode == "trial":
-            if len(w) >= CHECK_EVERY:
-                m = statistics.median(w)
-                self._next_trial = self.clock() + TRIAL_EVERY
-                if m < BETTER * self._compare:
-                    self._change(self.level, "steady", "pressure", f"{self.threads} threads ran steps at x{m:.2f} "
-                                 f"of quiet against x{self._compare:.2f} with more")
-                else:
-                    self._change(self.level - 1, "steady", "trial_failed",
-                                 f"fewer threads were not faster (x{m:.2f} against x{self._compare:.2f})")
         elif len(w) >= 2 and w[-1] > STALL and w[-2] > STALL and self.level + 1 < len(self.levels):
             self._down("stall", f"two steps in a row took x{w[-2]:.1f} and x{w[-1]:.1f} the quiet time of their size")
         elif len(w) >= CHECK_EVERY:
             self._check(statistics.median(w))
+
+    def _contended(self) -> bool:
+        """Read the threads' wait for a CPU (at most every SAMPLE_EVERY); step down, or end a probe, if they share
+        their cores. True when the thread count changed."""
+        now = self.clock()
+        if now < self._next_sample:
+            return False
+        self._next_sample = now + SAMPLE_EVERY
+        c = self.contention(self.threads)
+        if c is None:
+            return False
+        self._cpus = c.cpus
+        self._foreign[0] += c.foreign_cpus * c.wall
+        self._foreign[1] += c.wall
+        if c.wait_share <= WAIT_BUSY or self.threads == 1:
+            return False
+        why = (f"the {self.threads} threads waited for a CPU {c.wait_share:.0%} of the time; other processes used "
+               f"{c.foreign_cpus:.1f} of {c.cpus} CPUs")
+        if self.mode == "probe":
+            self._failed_probe(why)
+        else:
+            self._down("contended", why)
+        return True
+
+    def _core_free(self, now: float) -> bool:
+        """Would one level up find its CPUs? What the other processes used since the last change says."""
+        if now >= self._forced_probe_at or not self._cpus or not self._foreign[1]:
+            return True
+        foreign = self._foreign[0] / self._foreign[1]
+        return self._cpus - foreign >= self.levels[self.level - 1] - SPARE_CPU
+
+    def settle_in(self, seconds: float = 0.2, sleep: Callable[[float], None] = time.sleep) -> None:
+        """Before the first step (and before the model loads, whose packing runs on the team too): if other
+        processes already hold the cores, start with fewer threads. Our threads are idle here, so only what the
+        others use tells; the first steps' wait for a CPU then confirms or the first probe undoes it."""
+        if not self.adaptive or len(self.levels) < 2:
+            return
+        self.contention(self.threads)
+        sleep(seconds)
+        c = self.contention(self.threads)
+        if c is None:
+            return
+        level = self.level
+        while level + 1 < len(self.levels) and c.cpus - c.foreign_cpus < self.levels[level] - SPARE_CPU:
+            level += 1
+        if level != self.level:
+            self._hold = HOLD_MIN
+            self._change(level, "steady", "contended", f"at start, other processes used {c.foreign_cpus:.1f} of "
+                                                        f"{c.cpus} CPUs")
+            self._cpus = c.cpus
+            self._foreign = [c.foreign_cpus * c.wall, c.wall]
 
     def _check(self, m: float) -> None:
         now = self.clock()
         if self.level == 0:
             if m > DEGRADED:
                 self._down("slow", f"steps took x{m:.2f} the quiet time of their size (median of {CHECK_EVERY})")
-            elif now >= self._next_pressure_read:
-                self._next_pressure_read = now + 1.0
-                p = self.pressure() if now >= self._next_trial else None
-                if p is not None and p > PRESSURE_BUSY:
-                    self._compare = m
-                    self._change(1, "trial", "pressure",
-                                 f"CPU pressure {p:.0f}% (some avg10): trying {self.levels[1]} threads")
             self._window.clear()
         elif m > STALL and self.level + 1 < len(self.levels):
             self._down("stall", f"still x{m:.1f} the quiet time at {self.threads} threads")
-        elif now >= self._probe_at:
+        elif now >= self._probe_at and self._core_free(now):
             self._compare = m
             self._change(self.level - 1, "probe", "probe", f"trying {self.levels[self.level - 1]} threads "
                                                            f"(now x{m:.2f} the quiet time)")
@@ -172,13 +209,17 @@ class ThreadAdapter:
         self.level, self.mode = level, mode
         self._window.clear()
         self._probe_at = now + self._hold
+        self._forced_probe_at = now + HOLD_MAX
+        self._foreign = [0.0, 0.0]
+        self.contention(self.threads)  # the next read covers the new setting only
+        self._next_sample = now + SAMPLE_EVERY
         self.set_threads(self.threads)
         self._record(reason, detail, now)
 
     def _record(self, reason: str, detail: str, now: float | None = None) -> None:
         d = ThreadDecision(self.clock() if now is None else now, self.threads, reason, detail)
         self.decisions = self.decisions[-63:] + [d]
-        level = logging.DEBUG if reason in ("probe", "probe_failed", "trial_failed") else logging.INFO
+        level = logging.DEBUG if reason in ("probe", "probe_failed") else logging.INFO
         log.log(level, "cpu threads -> %d (%s): %s", d.threads, reason, detail)
 
 
@@ -220,4 +261,5 @@ def make_adapter(num_threads: int | None, root: Path | str = "/", env: dict[str,
         torch.set_num_threads(start)
     adapter = ThreadAdapter(thread_levels(start), torch.set_num_threads)
     adapter._record("budget", f"{budget.describe()}; torch's default was {current}")
+    adapter.settle_in()
     return adapter

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
@@ -13,11 +12,14 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.cpu_threads import ThreadAdapter, make_adapter
 from inferlab.engine.detokenizer import Detokenizer
+from inferlab.engine.kv_pool import size_kv_pool
 from inferlab.common.errors import InvalidRequestError
+from inferlab.engine.kv_transfer import HandOff, KVTransport
 from inferlab.engine.logprobs import TokenLogprob, token_logprobs
 from inferlab.engine.model_runner import ModelRunner, StepInputs
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from inferlab.common.host_memory import available_memory, keep_step_buffers
+from inferlab.engine.prompt import Prompt, PromptTokenizer
+from inferlab.common.host_memory import available_memory, keep_step_buffers, release_free_heap
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
@@ -28,17 +30,6 @@ from inferlab.spec import StepContext, make_proposer
 
 log = logging.getLogger("inferlab.engine")
 
-Prompt = str | list[int] | list[dict] | dict  # dict: {"prompt_token_ids"} or {"messages", "tools"}
-
-
-def bos_prefix(tokenizer) -> list[int]:
-    """[BOS] where the model's tokenizer starts every text with it (Gemma's GGUF says add_bos_token: without it
-    Gemma's outputs fall apart), else []. Plain-text prompts get it, as llama.cpp's server and transformers' default
-    encoding give it; chat templates write their own."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None or tokenizer.encode("a", add_special_tokens=True)[:1] != [bos]:
-        return []
-    return [] if tokenizer.encode("a", add_special_tokens=False)[:1] == [bos] else [bos]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,13 +72,11 @@ class LLMEngine:
 
         bs = config.block_size
         per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()) * bs
-        budget = config.kv_cache_memory
-        if budget is None:
-            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
-            budget = min(2**30, int(0.2 * free))
-        num_blocks = max(1, budget // per_block)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_len_reason = "the model's maximum context length"
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
+        pool = size_kv_pool(per_block, bs, config.max_num_seqs, self.max_model_len, config.kv_cache_memory, free)
+        num_blocks = pool.num_blocks
         if num_blocks * bs < self.max_model_len:
             # A request must always fit the pool alone, or it could preempt itself forever.
             self.max_model_len = num_blocks * bs
@@ -103,8 +92,8 @@ class LLMEngine:
         # no token decodes to more characters than its string has: a prompt longer than max_model_len times this
         # cannot fit, whatever it says (the server refuses it before tokenizing).
         self.max_token_chars: int = max(map(len, self.tokenizer.get_vocab()), default=1)
+        self.prompts = PromptTokenizer(self.tokenizer, self.vocab_size)
         self.eos_token_ids = {t for t in (cfg.eos_token_id, self.tokenizer.eos_token_id) if t is not None}
-        self.text_prefix = bos_prefix(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -113,48 +102,22 @@ class LLMEngine:
         self.proposer = make_proposer(config, self.runner, self.tokenizer)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
+        if self.device.type == "cpu":
+            # Loading freed hundreds of MiB (dequantized float32 weights, conversions) that glibc would keep.
+            release_free_heap()
+        # Disaggregated serving (server/disagg_worker.py): a prefill engine stops each request once it has sampled
+        # its first token and holds its blocks in `handing_off` until send_kv copies them out.
+        self.hand_off_after_prefill = False
+        self.handing_off: list[Sequence] = []
         log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16), "
-                 "KV pool %d blocks x %d tokens = %.1f MiB; quantization: %s", self.model_path.name, self.device, self.dtype,
-                 loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20, num_blocks,
-                 bs, self.runner.kv_cache_bytes / 2**20, self.quant_path)
+                 "KV pool %d blocks x %d tokens = %.1f MiB (%s); quantization: %s", self.model_path.name, self.device,
+                 self.dtype, loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20,
+                 num_blocks, bs, self.runner.kv_cache_bytes / 2**20, pool.reason, self.quant_path)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        """Safe to call from any thread (the server tokenizes on a small pool, off the engine's thread): it only
-        reads the tokenizer, whose Rust encode releases the GIL, and the chat template is pure Python."""
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            prompt = list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            return (ids if ids[:1] == self.text_prefix else self.text_prefix + ids), prompt
-        tools = None
-        if isinstance(prompt, dict) and "messages" in prompt:  # chat with tools: {"messages": [...], "tools": [...]}
-            prompt, tools = prompt["messages"], prompt.get("tools")
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            try:
-                text = self._render_chat(prompt, tools)
-            except Exception as e:  # jinja raises TemplateError, KeyError, TypeError... on malformed messages
-                raise InvalidRequestError(f"cannot apply the chat template to these messages: {e}", "messages") from e
-            return self.tokenizer.encode(text, add_special_tokens=False), text
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"token id {bad[0]} is out of the vocabulary range [0, {vocab})", "prompt")
-            return list(prompt), None
-        raise InvalidRequestError("a prompt must be a string, a list of token ids, or a list of chat messages", "prompt")
-
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
-        """The chat template's text. Tools go to the template; one that ignores them (renders the same text
-        without) gets them as a leading system message naming each function and its JSON schema instead."""
-        render = self.tokenizer.apply_chat_template
-        text = render(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-        if tools and text == render(messages, tokenize=False, add_generation_prompt=True):
-            listing = "\n".join(json.dumps(t["function"]) for t in tools)
-            note = {"role": "system", "content": "You may call these functions. To call one, answer with "
-                                                 '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.\n' + listing}
-            text = render([note, *messages], tokenize=False, add_generation_prompt=True)
-        return text
+        """Safe to call from any thread (engine/prompt.py)."""
+        return self.prompts.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> int:
@@ -224,6 +187,8 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish_reason = "abort"
+        if seq in self.handing_off:
+            self.handing_off.remove(seq)
         self.scheduler.finish(seq)
         self._generators.pop(request_id, None)
         return True
@@ -420,6 +385,9 @@ class LLMEngine:
             self.stats_counters.prompt_tokens_total += seq.num_prompt_tokens
             if self._forks.pop(seq.request_id, None) is not None:
                 self._fork(seq)
+            if self.hand_off_after_prefill and not finished:
+                self.scheduler.hand_off(seq)
+                self.handing_off.append(seq)
         out = RequestOutput(
             request_id=seq.group_id or seq.request_id,
             index=seq.index,
@@ -442,6 +410,40 @@ class LLMEngine:
             out.prompt_text = (seq.prompt_text if seq.prompt_text is not None
                                else self.tokenizer.decode(seq.prompt_token_ids))
         return out
+
+    # -- disaggregated serving (engine/kv_transfer.py) ---------------------------------------------------------
+    def send_kv(self, seq: Sequence, transport: KVTransport) -> HandOff | None:
+        """Prefill role: copy a handed-off request's prompt KV into the transport. On success the request leaves
+        this engine (its blocks return to the pool, the full ones staying in the prefix cache) and the HandOff
+        says what the decode engine needs; None when the transport has no room yet (the blocks stay held)."""
+        bm = self.block_manager
+        blocks = bm.table(seq.request_id)[:bm.blocks_needed(seq.num_prompt_tokens)]
+        handle = transport.send(seq.request_id, self.runner.kv_cache, blocks, seq.num_prompt_tokens)
+        if handle is None:
+            return None
+        gen = self._generators.pop(seq.request_id, None)
+        self.handing_off.remove(seq)
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        return HandOff.of(seq, handle, None if gen is None else gen.get_state())
+
+    def inject(self, hand_off: HandOff, transport: KVTransport) -> bool:
+        """Decode role: admit a request whose prompt KV another engine computed, its first token already sampled.
+        Blocks the prefix cache holds are taken from it and the rest copied in from the transport. False,
+        changing nothing, when the scheduler has no room for it now (see Scheduler.admit_injected)."""
+        if hand_off.request_id in self.requests:
+            raise InvalidRequestError(f"request id {hand_off.request_id!r} is already in use", "request_id")
+        seq = hand_off.to_sequence()
+        cached = self.block_manager.find_cached_prefix(seq)
+        if not self.scheduler.admit_injected(seq, cached):
+            return False
+        table = self.block_manager.table(seq.request_id)
+        transport.recv(hand_off.handle, self.runner.kv_cache, table[:len(hand_off.handle.blocks)], skip=len(cached))
+        self.block_manager.cache_computed_blocks(seq)
+        self._register(seq)
+        if hand_off.generator_state is not None:
+            self._generators[seq.request_id].set_state(hand_off.generator_state)
+        return True
 
     # -- observability ----------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

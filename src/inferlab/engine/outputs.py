@@ -102,3 +102,12 @@ class EngineStats:
     cpu_threads_max: int = 0  # the count it returns to when the machine is quiet
     cpu_fallbacks_total: dict[str, int] = field(default_factory=dict)  # reason -> steps down to fewer threads
     cpu_recoveries_total: int = 0  # returns to more threads
+    # Disaggregated serving (engine/kv_transfer.py), per role: the prefill side counts what it sent (pool ->
+    # staging), the decode side what it received (staging -> pool, blocks its prefix cache held excepted).
+    kv_transfers_total: int = 0
+    kv_transfer_bytes_total: int = 0
+    kv_transfer_seconds_total: float = 0.0
+    kv_transfer_stalls_total: int = 0  # sends refused for want of transfer-buffer room (backpressure)
+    kv_transfer_pending: int = 0  # requests whose KV waits: to be sent (prefill), to be admitted (decode)
+    kv_transfer_free_blocks: int = 0  # prefill: transfer-buffer blocks free (the buffer's free list lives there)
+    by_role: dict[str, "EngineStats"] = field(default_factory=dict)  # disaggregated: each worker's own stats

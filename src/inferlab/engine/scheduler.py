@@ -146,6 +146,30 @@ class Scheduler:
                 seq.num_computed_tokens += n
             self.bm.cache_computed_blocks(seq)
 
+    def hand_off(self, seq: Sequence) -> None:
+        """Prefill role: seq has computed its prompt and sampled its first token. It leaves the schedule but keeps
+        its blocks until its KV has been copied out; finish() then frees them (full ones stay in the prefix
+        cache). Holding them is what makes prefill wait when the decode side is full: its pool fills up."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.HANDING_OFF
+
+    def admit_injected(self, seq: Sequence, cached_blocks: list[int]) -> bool:
+        """Decode role: seq arrives with its prompt's KV computed by another engine and its first token sampled.
+        Allocate blocks for all its tokens (the prompt's, `cached_blocks` first when the prefix cache holds some,
+        and room for the first token's K/V, computed by its first decode step here), count the prompt as computed
+        and run it as a decode. The caller copies the prompt's K/V into the non-cached blocks before the next
+        step. False, changing nothing, while preempted sequences wait (they go first) or slots or blocks are short:
+        the KV then stays in the transport, which is the decode side's backpressure on prefill."""
+        if self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        if not self.bm.allocate(seq, seq.num_tokens, cached_blocks):
+            return False
+        self.bm.record_lookup(seq.num_prompt_tokens, len(cached_blocks) * self.bm.block_size)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -156,7 +180,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence from wherever it is and free its blocks."""
+        """Remove a finished, aborted or handed-off sequence from wherever it is and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

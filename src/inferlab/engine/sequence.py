@@ -15,6 +15,9 @@ from inferlab.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Disaggregated prefill: prompt computed and first token sampled, out of the schedule, its blocks kept until
+    # the KV has been copied out for a decode engine (engine/kv_transfer.py).
+    HANDING_OFF = "handing_off"
     FINISHED = "finished"
 
 

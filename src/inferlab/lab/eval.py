@@ -18,7 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
-from inferlab.engine.llm_engine import bos_prefix
+from inferlab.engine.prompt import bos_prefix
 from inferlab.engine.sampling_params import SamplingParams
 
 # --- data --------------------------------------------------------------------------------------------------------

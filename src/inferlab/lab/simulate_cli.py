@@ -5,6 +5,7 @@ the engine's own scheduler, and validate the prediction against the real server.
   inferlab simulate calibrate bench RUN/results.json ... -o profile.json    # black-box, from bench runs
   inferlab simulate predict CARD --profile profile.json [--rates 0.5,1,2] [--replicas 2] [--disaggregate 2]
   inferlab simulate validate CARD --profile profile.json --rates 0.3,0.6   # bench the real server, compare
+  inferlab simulate validate CARD --profile profile.json --max-rate-within 0.15   # and check the SLO-max rate
 """
 
 from __future__ import annotations
@@ -63,7 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if name == "validate":
             q.add_argument("--base-url", default=None, help="a running server (default: start the card's)")
             q.add_argument("--output-dir", default="simulate-validate", help="bench results go here")
+            q.add_argument("--max-rate-within", type=float, default=None, metavar="FRACTION",
+                           help="also check the predicted SLO-max rate: bench at (1 - F) and (1 + F) times it; "
+                                "the measured maximum lies within F of it when the card passes at the first and "
+                                "fails at the second")
             continue
+        q.add_argument("--users", default=None, help="closed loop instead of rates: concurrent users (streams), "
+                                                     "comma-separated, as `inferlab bench --concurrency`")
         q.add_argument("--replicas", type=int, default=1)
         q.add_argument("--router", default="least-loaded", help=ROUTER_HELP)
         q.add_argument("--prefill", type=int, default=0, help="P prefill instances (disaggregated; with --decode)")
@@ -217,6 +224,14 @@ def _predict(args) -> int:
 
         sc.trace = trace_requests(args.trace)
         points = [capacity.simulate(sc, speed=float(s)) for s in args.trace_speeds.split(",")]
+    elif args.users:
+        try:
+            users = [int(u) for u in args.users.split(",")]
+        except ValueError:
+            raise ValueError(f"--users {args.users!r}: give whole numbers, comma-separated, e.g. 16,64") from None
+        if any(u < 1 for u in users):
+            raise ValueError("--users must be >= 1")
+        points = [capacity.simulate(sc, users=u) for u in users]
     else:
         sat = capacity.saturation(sc)
         out["saturation_requests_per_s"] = sat
@@ -316,15 +331,25 @@ VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), (
 def _validate(args) -> int:
     import asyncio
 
+    from inferlab.lab import capacity
+
     from inferlab.bench.benchmark import Benchmark
     from inferlab.bench.runner import Load
-    from inferlab.lab import capacity
     from inferlab.lab.card import start_server, to_bench_config
 
     sc = _scenario(args)
-    rates = _rates(args.rates)
+    rates = _rates(args.rates) or []
+    bracket = None
+    if args.max_rate_within is not None:
+        if not 0 < args.max_rate_within < 1:
+            raise ValueError(f"--max-rate-within {args.max_rate_within}: give a fraction between 0 and 1, e.g. 0.15")
+        m = capacity.max_rate(sc)
+        if m.rate is None:
+            raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
+        bracket = (m.rate, m.rate * (1 - args.max_rate_within), m.rate * (1 + args.max_rate_within))
+        rates += [round(bracket[1], 4), round(bracket[2], 4)]
     if not rates:
-        raise ValueError("validate needs --rates (requests/s the calibration did not use)")
+        raise ValueError("validate needs --rates (requests/s the calibration did not use) or --max-rate-within")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     srv = None
@@ -346,7 +371,8 @@ def _validate(args) -> int:
             # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
             predicted = capacity.simulate(replace(sc, arrival=arrival), rate=rate)
             point = compare(measured, predicted)
-            point.update(rate=rate, results=str(outcome.path))
+            point.update(rate=rate, results=str(outcome.path), meets_measured=capacity.meets(sc.card, measured),
+                         meets_predicted=capacity.meets(sc.card, predicted))
             out["points"].append(point)
             if outcome.interrupted:
                 break
@@ -354,9 +380,29 @@ def _validate(args) -> int:
         if srv is not None:
             srv.stop()
     print_validation(out["points"])
+    if bracket is not None:
+        out["max_rate"] = max_rate_verdict(bracket, args.max_rate_within, out["points"])
+        print(out["max_rate"]["verdict"])
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 0
+
+
+def max_rate_verdict(bracket: tuple[float, float, float], within: float, points: list[dict]) -> dict:
+    """The measured SLO-max rate lies within `within` of the predicted one when the real server meets the card at
+    the lower bracket rate and misses it at the upper."""
+    predicted, lo, hi = bracket
+    meets = {p["rate"]: p["meets_measured"] for p in points}
+    at_lo, at_hi = meets.get(round(lo, 4)), meets.get(round(hi, 4))
+    ok = at_lo is True and at_hi is False
+    how = {True: "meets the card", False: "misses it", None: "not measured"}
+    verdict = (f"predicted SLO-max rate {predicted:.3g} req/s; the real server {how[at_lo]} at {lo:.3g} and "
+               f"{how[at_hi]} at {hi:.3g}: the measured maximum is "
+               + (f"within {within:.0%} of the prediction" if ok else
+                  "below the lower bound" if at_lo is False else
+                  "above the upper bound" if at_hi is True else "undetermined"))
+    return {"predicted": predicted, "lower": lo, "upper": hi, "meets_at_lower": at_lo, "meets_at_upper": at_hi,
+            "within": ok, "verdict": verdict}
 
 
 def compare(measured: dict, predicted: dict) -> dict:
@@ -386,4 +432,8 @@ def print_validation(points: list[dict]) -> None:
                 (lambda v: "–" if v is None else f"{v:.3g}")
             err = "–" if r["rel_error"] is None or math.isnan(r["rel_error"]) else f"{r['rel_error']:+.0%}"
             t.add_row(f"{p['rate']:g}", r["metric"], fmt(r["measured"]), fmt(r["predicted"]), err)
+        if "meets_measured" in p:
+            yes = {True: "yes", False: "no"}
+            t.add_row(f"{p['rate']:g}", "meets the card", yes[p["meets_measured"]], yes[p["meets_predicted"]], "",
+                      end_section=True)
     _console().print(t)

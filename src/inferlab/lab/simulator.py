@@ -15,6 +15,11 @@ What is modelled beside the engine:
     crosses a link (latency + bytes per token x tokens / bandwidth, one transfer at a time per prefill instance),
     and a decode instance receives it as prefix-cache blocks (its BlockManager is seeded with the prompt's blocks,
     so admission finds them cached and only the last partial block is recomputed, by the engine's own prefix path).
+    The real hand-off (`inferlab serve --disaggregate`, engine/kv_transfer.py) differs in three ways this model
+    leaves out: it copies the partial last block too and admits the request straight into decoding
+    (Scheduler.admit_injected), so decode recomputes nothing (here: up to block_size - 1 prompt tokens); the
+    prefill instance holds a request's blocks until its KV is copied out; and a fixed transfer buffer bounds the
+    KV in flight, so a full decode side stalls prefill (here the link queues without bound).
 Tokens are appended at the end of the step that sampled them, as the engine stamps them; times are seconds.
 """
 

@@ -10,14 +10,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling_factor: float = 1.0):
         """scaling_factor: linear position scaling (positions / factor), transformers' "linear" rope type."""
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # Computed on the CPU, then moved to the default device: under the loader's meta-device context the
+        # arithmetic would run through torch's Python reference kernels, whose first call imports torch._dynamo
+        # (with sympy and triton, ~160 MiB resident that serving never uses).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
         if scaling_factor != 1.0:
             inv_freq = inv_freq / scaling_factor
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device=cpu)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        device = torch.get_default_device()
+        self.register_buffer("cos_cache", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered once per step and shared by every layer: [T, 1, head_dim] each."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,6 +134,26 @@ def _load_hf(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return sd
 
 
+# nn.Module constructors fill their parameters with random values (nn.init); on the meta device torch runs those
+# through Python reference kernels whose first call imports torch._dynamo, and with it sympy and triton: ~160 MiB
+# resident that a server never uses (measured: import torch 219 MiB RSS, + torch._dynamo 381 MiB). The loaded
+# weights replace the values anyway, so construction skips the fill, as transformers' no_init_weights does.
+_INIT_FILLS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+               "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def _skip_init_fills() -> Iterator[None]:
+    saved = {n: getattr(torch.nn.init, n) for n in _INIT_FILLS if hasattr(torch.nn.init, n)}
+    for n in saved:
+        setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.device,
                quantization: str = "none", quant_group_size: int = 32) -> LoadedModel:
     t0 = time.perf_counter()
@@ -141,20 +163,28 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
         sd, raw = _load_gguf(path, cfg, keep_raw=quantization != "none")
     else:
         sd, raw = _load_hf(path, cfg), {}
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init_fills():
         net = model_class(cfg)(cfg)
-    net = net.to_empty(device=device)
-    # Rotary tables are buffers computed at construction: rebuild them on the real device.
-    if hasattr(net.model, "init_rotary"):
-        net.model.init_rotary(device)
-    else:
-        net.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
-    missing, unexpected = net.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False)
+    # The converted tensors become the parameters (assign=True): no second copy of the model to copy them into, and
+    # no meta -> device empty_like (torch's reference kernel for it imports sympy, ~35 MiB). Each float source is
+    # dropped once converted, so the float32 dequantized weights and the bf16 ones never all coexist.
+    weights = {}
+    for k in list(sd):
+        weights[k] = sd.pop(k).to(device=device, dtype=dtype)
+    missing, unexpected = net.load_state_dict(weights, strict=False, assign=True)
+    del weights
     missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
         raise ModelLoadError(f"{path}: weights do not match the architecture (missing {missing[:4]}, unexpected {unexpected[:4]})")
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
+    # Rotary tables are buffers computed at construction: rebuild them on the real device.
+    if hasattr(net.model, "init_rotary"):
+        net.model.init_rotary(device)
+    else:
+        net.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+    if left := [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]:
+        raise ModelLoadError(f"{path}: the file has no weights for {left[:4]}")
     net = net.to(device=device, dtype=dtype).eval()
     net.requires_grad_(False)
     loaded = LoadedModel(net, cfg, path)

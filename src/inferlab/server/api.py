@@ -82,6 +82,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.model_name)
         self.metrics.engine.extra_gauges["inferlab:max_queue"] = config.max_queue
+        self.metrics.engine.block_size = engine.config.block_size
         self.engine = AsyncEngine(engine, config.max_queue, self.metrics, config.tokenizer_threads)
         # Keys are compared as SHA-256 digests: equal lengths, so hmac.compare_digest is constant-time, and every key
         # is compared on every request so the match position does not leak either.

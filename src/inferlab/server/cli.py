@@ -11,6 +11,7 @@ systemd or Kubernetes restarts the server rather than leaving a process that ser
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -56,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM/SIGINT (default 30)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    d = parser.add_argument_group("disaggregated prefill/decode (server/disagg_engine.py)")
+    d.add_argument("--disaggregate", action="store_true",
+                   help="run a prefill worker and a decode worker process, one core each, behind this API process: "
+                        "prompts are prefilled on one and their KV handed to the other, which streams the rest")
+    d.add_argument("--kv-transfer-buffer", type=lambda t: parse_bytes(t, "--kv-transfer-buffer", bare="B"),
+                   default="256MiB", help="shared-memory buffer for KV in transit from prefill to decode; when it is "
+                                          "full prefill waits (default 256MiB)")
     h = parser.add_argument_group("HTTP limits")
     h.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body; larger ones get 413 before they are read (default 4MiB)")
@@ -123,6 +131,30 @@ def _inject_engine_crash(engine, after_steps: int) -> None:
     engine.step = crashing_step
 
 
+def _log_engine(level: str) -> None:
+    """The engine's own decisions (the model it loaded, CPU thread changes and why) go to stderr beside uvicorn's
+    lines; without a handler Python would drop everything below WARNING."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+    log = logging.getLogger("inferlab")
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def release_load_memory() -> None:
+    """Once every model this server uses is loaded: what loading kept for a next load (the parsed GGUF readers) and
+    the heap it freed go back to the system (benchmarks/memory_footprint.py measures it)."""
+    from inferlab.common.host_memory import release_free_heap
+    from inferlab.models.config import forget_gguf_files
+
+    forget_gguf_files()
+    gc.collect()
+    release_free_heap()
+
+
 def run(args: argparse.Namespace) -> int:
     if (problem := _check_options(args)) is not None:
         print(f"inferlab serve: {problem}", file=sys.stderr)
@@ -133,23 +165,50 @@ def run(args: argparse.Namespace) -> int:
         print(f"inferlab serve: {e}", file=sys.stderr)
         return 2
 
-    import uvicorn
-
     from inferlab.common.errors import ModelLoadError
-    from inferlab.engine.llm_engine import LLMEngine
-    from inferlab.server.api import ServerConfig, build_app
-    from inferlab.server.http_limits import h11_protocol
 
     try:
         engine_config = EngineConfig.from_cli_args(args)
     except ValueError as e:
         print(f"inferlab serve: {e}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
+    _log_engine(args.log_level)
     try:
-        engine = LLMEngine(engine_config)
+        if args.disaggregate:
+            from inferlab.server.disagg_engine import DisaggEngine, WorkerDiedError
+
+            try:
+                engine = DisaggEngine(engine_config, args.kv_transfer_buffer)
+            except (ValueError, WorkerDiedError) as e:
+                print(f"inferlab serve: {e}", file=sys.stderr)
+                return EXIT_BAD_OPTIONS
+            roles = ", ".join(f"{w.role.value} worker pid {w.process.pid} on cores {w.ready.cores}"
+                              for w in engine.workers.values())
+            print(f"inferlab serve: disaggregated: {roles}", flush=True)
+        else:
+            from inferlab.engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(engine_config)
     except (ModelLoadError, FileNotFoundError) as e:
         print(f"inferlab serve: cannot load the model: {e}", file=sys.stderr)
         return EXIT_BAD_OPTIONS
+    except ValueError as e:  # options that only the model can judge (a KV pool smaller than one block, ...)
+        print(f"inferlab serve: {e}", file=sys.stderr)
+        return EXIT_BAD_OPTIONS
+    release_load_memory()
+    try:
+        return _serve(args, engine, engine_config, keys)
+    finally:
+        if args.disaggregate:
+            engine.close()
+
+
+def _serve(args: argparse.Namespace, engine, engine_config: EngineConfig, keys: dict[str, str | None]) -> int:
+    import uvicorn
+
+    from inferlab.server.api import ServerConfig, build_app
+    from inferlab.server.http_limits import h11_protocol
+
     if (spec := os.environ.get(FAULT_INJECT_ENV)) is not None:
         print(f"inferlab serve: ${FAULT_INJECT_ENV}={spec}: TEST-ONLY fault injection is on", file=sys.stderr)
         _inject_engine_crash(engine, int(spec.rpartition(":")[2]))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -121,63 +122,107 @@ class _EngineCollector(Collector):
         self.labels = labels
         self.stats = EngineStats()
         self.extra_gauges: dict[str, float] = {}  # set by the server: queue depth, in flight
+        self.block_size = 0  # set by the server: vllm:cache_config_info's block_size (0: not exported)
+        self.started = time.time()
 
     def collect(self) -> Iterator[Metric]:
-        s, names, values = self.stats, list(self.labels), list(self.labels.values())
+        """Disaggregated serving (server/disagg_engine.py) reports each worker's stats apart: every engine series
+        then carries a `role` label (prefill, decode); summing over it gives the server's totals."""
+        top = self.stats
+        parts = list(top.by_role.items()) or [(None, top)]
+        names = list(self.labels) + (["role"] if top.by_role else [])
+        values = list(self.labels.values())
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, value)
-            return g
+        def family(kind, name: str, doc: str, value: Callable[[EngineStats], float]) -> Metric:
+            m = kind(name, doc, labels=names)
+            for role, s in parts:
+                m.add_metric(values + ([role] if role else []), value(s))
+            return m
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, value)
-            return c
+        def gauge(name: str, doc: str, value: Callable[[EngineStats], float]) -> Metric:
+            return family(GaugeMetricFamily, name, doc, value)
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions_total)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total)
+        def counter(name: str, doc: str, value: Callable[[EngineStats], float]) -> Metric:
+            return family(CounterMetricFamily, name, doc, value)
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_cache_usage)
+        # For inference gateways' endpoint pickers (docs/scaleout.md): vLLM v0's name of the same gauge, which
+        # Gateway API Inference Extension releases before vLLM v1 read; LoRA info with no adapters (inferlab serves
+        # none), so a picker configured for LoRA affinity finds the series it scrapes; the block size its
+        # prefix-aware scorer needs.
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM v0's name of vllm:kv_cache_usage_perc).",
+                    lambda s: s.kv_cache_usage)
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (inferlab serves no "
+                                 "adapters).", labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], self.started)
+        yield lora
+        if self.block_size:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
+                                     labels=["block_size", "num_gpu_blocks"])
+            info.add_metric([str(self.block_size), str(top.num_kv_blocks)], 1.0)
+            yield info
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", lambda s: s.num_preemptions_total)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lambda s: s.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", lambda s: s.generation_tokens_total)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      s.prefix_cache_queries_total)
+                      lambda s: s.prefix_cache_queries_total)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      s.prefix_cache_hits_total)
-        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", s.spec_num_drafts_total)
-        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_num_draft_tokens_total)
+                      lambda s: s.prefix_cache_hits_total)
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s: s.spec_num_drafts_total)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s: s.spec_num_draft_tokens_total)
         yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                      s.spec_num_accepted_tokens_total)
+                      lambda s: s.spec_num_accepted_tokens_total)
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Accepted tokens per draft position.", labels=names + ["position"])
-        for pos, n in enumerate(s.spec_accepted_per_pos_total):
-            per_pos.add_metric(values + [str(pos)], n)
+        for role, s in parts:
+            for pos, n in enumerate(s.spec_accepted_per_pos_total):
+                per_pos.add_metric(values + ([role] if role else []) + [str(pos)], n)
         yield per_pos
-        yield gauge("inferlab:num_kv_blocks", "KV blocks in the pool.", s.num_kv_blocks)
+        yield gauge("inferlab:num_kv_blocks", "KV blocks in the pool.", lambda s: s.num_kv_blocks)
         yield gauge("inferlab:num_free_kv_blocks", "KV blocks free (cached-but-unreferenced count as free).",
-                    s.num_free_kv_blocks)
-        yield gauge("inferlab:kv_cache_bytes", "Bytes of the KV pool.", s.kv_cache_bytes)
-        yield gauge("inferlab:weight_bytes", "Bytes of model weights as loaded.", s.weight_bytes)
+                    lambda s: s.num_free_kv_blocks)
+        yield gauge("inferlab:kv_cache_bytes", "Bytes of the KV pool.", lambda s: s.kv_cache_bytes)
+        yield gauge("inferlab:weight_bytes", "Bytes of model weights as loaded.", lambda s: s.weight_bytes)
         yield gauge("inferlab:packed_weight_bytes", "Bytes of the packed bf16 weight copies kept for the CPU GEMM "
-                    "steps (--pack-weights).", s.packed_weight_bytes)
-        yield gauge("inferlab:peak_rss_bytes", "Peak resident set size of the server process.", _peak_rss_bytes())
-        yield counter("inferlab:engine_steps", "Engine steps run.", s.num_steps_total)
-        yield counter("inferlab:engine_step_seconds", "Seconds spent inside engine.step().", s.step_time_seconds_total)
-        if s.cpu_threads:
+                    "steps (--pack-weights).", lambda s: s.packed_weight_bytes)
+        rss = GaugeMetricFamily("inferlab:peak_rss_bytes", "Peak resident set size of the server process.",
+                                labels=list(self.labels))
+        rss.add_metric(values, _peak_rss_bytes())
+        yield rss
+        yield counter("inferlab:engine_steps", "Engine steps run.", lambda s: s.num_steps_total)
+        yield counter("inferlab:engine_step_seconds", "Seconds spent inside engine.step().", lambda s: s.step_time_seconds_total)
+        if top.kv_transfers_total or top.by_role:
+            yield counter("inferlab:kv_transfers", "KV hand-offs between prefill and decode (prefill: sent, decode: "
+                          "received).", lambda s: s.kv_transfers_total)
+            yield counter("inferlab:kv_transfer_bytes", "KV bytes handed from prefill to decode (decode: blocks its "
+                          "prefix cache held are not copied).", lambda s: s.kv_transfer_bytes_total)
+            yield counter("inferlab:kv_transfer_seconds", "Seconds spent copying KV for hand-offs (prefill: into the "
+                          "transfer buffer, decode: out of it).", lambda s: s.kv_transfer_seconds_total)
+            yield counter("inferlab:kv_transfer_stalls", "Hand-offs the prefill side could not send at once for "
+                          "want of transfer-buffer room (backpressure from decode).", lambda s: s.kv_transfer_stalls_total)
+            yield gauge("inferlab:kv_transfer_pending", "Requests whose KV waits: to be sent (prefill), to be "
+                        "admitted (decode).", lambda s: s.kv_transfer_pending)
+            yield gauge("inferlab:kv_transfer_buffer_free_blocks", "Free blocks of the KV transfer buffer (reported "
+                        "by prefill, which owns its free list; 0 on decode).", lambda s: s.kv_transfer_free_blocks)
+        if top.cpu_threads:
             yield gauge("inferlab:cpu_threads", "Intra-op CPU threads the engine runs with now (fewer while the "
-                        "machine is busy).", s.cpu_threads)
+                        "machine is busy).", lambda s: s.cpu_threads)
             yield gauge("inferlab:cpu_threads_max", "CPU threads the engine returns to on a quiet machine (the "
-                        "affinity mask and cgroup quota allow).", s.cpu_threads_max)
+                        "affinity mask and cgroup quota allow).", lambda s: s.cpu_threads_max)
             fb = CounterMetricFamily("inferlab:cpu_fallbacks", "Steps down to fewer CPU threads, by reason (stall, "
-                                     "slow, pressure).", labels=names + ["reason"])
-            for reason in FALLBACK_REASONS:
-                fb.add_metric(values + [reason], s.cpu_fallbacks_total.get(reason, 0))
+                                     "slow, contended).", labels=names + ["reason"])
+            for role, s in parts:
+                for reason in FALLBACK_REASONS:
+                    fb.add_metric(values + ([role] if role else []) + [reason], s.cpu_fallbacks_total.get(reason, 0))
             yield fb
             yield counter("inferlab:cpu_recoveries", "Returns to more CPU threads once measured faster.",
-                          s.cpu_recoveries_total)
-        for name, value in self.extra_gauges.items():
-            yield gauge(name, _EXTRA_DOCS.get(name, name), value)
+                          lambda s: s.cpu_recoveries_total)
+        for name, value in self.extra_gauges.items():  # the server's own: no role
+            g = GaugeMetricFamily(name, _EXTRA_DOCS.get(name, name), labels=list(self.labels))
+            g.add_metric(values, value)
+            yield g
 
 
 _EXTRA_DOCS = {

@@ -2,7 +2,7 @@
 
 - The tools reach the chat template (`tools=`, as transformers renders them) where the model's template uses them;
   a template that ignores them (the bundled SmolLM2's) gets them as a system message listing the functions' JSON
-  schemas, so the model knows what it may call (LLMEngine._render_chat).
+  schemas, so the model knows what it may call (engine/prompt.py, PromptTokenizer.render_chat).
 - `tool_choice` named function: the output is constrained (xgrammar) to that function's parameter schema, and it is
   the call's `arguments`; streamed as `tool_calls` deltas whose `arguments` grow token by token. finish_reason is
   "stop", as OpenAI's for a forced function.
