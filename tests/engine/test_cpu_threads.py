@@ -135,8 +135,9 @@ def test_a_server_started_beside_a_busy_neighbour_starts_with_fewer_threads():
 
 
 def test_a_light_client_neither_drops_threads_nor_blocks_probes():
-    # bench's client on the same machine: our threads wait a little, a third of a CPU is used by others.
-    sim = Sim([2, 1], wait={2: 0.12, 1: 0.02}.get, foreign=0.3)
+    # bench's client on the same machine uses a third of a CPU; our threads wait 30% of the time, mostly for our
+    # own event loop (measured on a quiet machine at 16 streams): that is not a neighbour holding a core.
+    sim = Sim([2, 1], wait={2: 0.30, 1: 0.02}.get, foreign=0.3)
     sim.run(30.0, QUIET.get)
     assert sim.calls == []
     # Dropped for another reason (a burst of stalls), the engine probes back at the first hold: a core is free.
