@@ -1,6 +1,6 @@
-"""The thread adapter on synthetic traces of step times and of the threads' wait for a CPU: it steps down when
-the team stalls or shares its cores, probes its way back when a core is free, and keeps a user's explicit choice.
-Time is a fake clock advanced by each synthetic step, so nothing here depends on the machine's speed."""
+"""The thread adapter on synthetic step-time traces: it steps down when the team stalls, starts with fewer threads
+beside a busy neighbour, probes its way back, and keeps a user's explicit choice. Time is a fake clock advanced by
+each synthetic step, so nothing here depends on the machine's speed."""
 
 from __future__ import annotations
 
@@ -11,22 +11,22 @@ from inferlab.engine.cpu_threads import ThreadAdapter, explicit_setting, thread_
 
 
 class Sim:
-    """A fake machine: step time is a function of the thread count; the adapter's clock advances by it. `wait`
-    gives the team's wait for a CPU at a thread count, `foreign` what other processes use (CPUs of 2)."""
+    """A fake machine: step time is a function of the thread count; the adapter's clock advances by it. `foreign`:
+    the CPUs other processes use (of 2)."""
 
-    def __init__(self, levels: list[int], wait: Callable[[int], float] | None = None, foreign: float = 0.0):
+    def __init__(self, levels: list[int], foreign: float = 0.0):
         self.now = 0.0
         self.calls: list[int] = []
-        self.wait = wait
         self.foreign = foreign
         self._last = 0.0
         self.adapter = ThreadAdapter(levels, self.calls.append, clock=lambda: self.now, contention=self._read)
 
-    def _read(self, threads: int) -> Contention | None:
+    def _read(self) -> Contention | None:
         last, self._last = self._last, self.now
-        if self.wait is None or self.now <= last:
-            return None
-        return Contention(self.now - last, self.wait(threads), self.foreign, 2)
+        return None if self.now <= last else Contention(self.now - last, self.foreign, 2)
+
+    def settle_in(self) -> None:
+        self.adapter.settle_in(0.2, sleep=lambda s: setattr(self, "now", self.now + s))
 
     def run(self, seconds: float, step_time: Callable[[int], float], tokens: int = 16) -> None:
         end = self.now + seconds
@@ -102,56 +102,30 @@ def test_a_probe_that_is_faster_though_not_quiet_wins():
     assert "faster" in sim.reasons()
 
 
-def test_busy_from_the_start_is_caught_by_the_threads_wait():
-    # The reference itself is stalled, so step times look normal; the threads' wait for a CPU tells.
-    shared = {2: 0.5, 1: 0.05}  # two threads each wait half the time; one thread has a core of its own
-    sim = Sim([2, 1], wait=shared.get, foreign=1.0)
-    sim.run(30.0, {2: 0.040, 1: 0.016}.get)
-    assert sim.adapter.threads == 1
-    assert sim.adapter.fallbacks == {"contended": 1}
-    assert "waited for a CPU 50%" in sim.adapter.decisions[0].detail
-    # A neighbour using a whole CPU leaves none free for a second thread: no probe before the longest hold.
-    assert "probe" not in sim.reasons() and sim.calls == [1]
-    sim.run(40.0, {2: 0.040, 1: 0.016}.get)  # past HOLD_MAX a probe runs anyway, and its first read ends it
-    assert sim.reasons()[-2:] == ["probe", "probe_failed"]
-    assert sim.adapter.threads == 1
-    # The neighbour leaves: the next probe finds a free core, its threads no longer wait, and it is faster.
-    sim.wait, sim.foreign = {2: 0.02, 1: 0.01}.get, 0.0
-    sim.run(140.0, QUIET.get)
-    assert sim.adapter.threads == 2 and sim.reasons()[-1] == "quiet"
-
-
 def test_a_server_started_beside_a_busy_neighbour_starts_with_fewer_threads():
-    sim = Sim([2, 1], wait=lambda t: 0.0, foreign=1.0)  # idle threads wait for nothing: only the others' use tells
-    sim.adapter.settle_in(0.2, sleep=lambda s: setattr(sim, "now", sim.now + s))
+    sim = Sim([2, 1], foreign=1.0)  # a busy loop in another session: 1.0 CPU of 2
+    sim.settle_in()
     assert sim.adapter.threads == 1 and sim.adapter.fallbacks == {"contended": 1}
     assert "at start, other processes used 1.0 of 2 CPUs" in sim.adapter.decisions[-1].detail
-    sim.run(30.0, {2: 0.040, 1: 0.016}.get)  # and it does not probe while they keep a core
-    assert "probe" not in sim.reasons()
-    for foreign in (0.0, 0.3):  # a quiet machine, or a light client beside the server: the full team
-        sim = Sim([2, 1], wait=lambda t: 0.0, foreign=foreign)
-        sim.adapter.settle_in(0.2, sleep=lambda s: setattr(sim, "now", sim.now + s))
+    # Every size is first seen at one thread; probes of two stall at their first step and back off.
+    sim.run(60.0, AUTOGROUP.get)
+    assert sim.adapter.threads == 1
+    failed = sim.reasons().count("probe_failed")
+    assert failed >= 3 and sim.calls.count(2) == failed
+    # The neighbour leaves: the next probe runs faster than one thread and stays.
+    sim.run(140.0, QUIET.get)
+    assert sim.adapter.threads == 2 and sim.reasons()[-1] == "quiet"
+    for foreign in (0.0, 0.4):  # a quiet machine, or a light process beside the server: the full team
+        sim = Sim([2, 1], foreign=foreign)
+        sim.settle_in()
         assert sim.adapter.threads == 2 and sim.calls == []
-
-
-def test_a_light_client_neither_drops_threads_nor_blocks_probes():
-    # bench's client on the same machine uses a third of a CPU; our threads wait 30% of the time, mostly for our
-    # own event loop (measured on a quiet machine at 16 streams): that is not a neighbour holding a core.
-    sim = Sim([2, 1], wait={2: 0.30, 1: 0.02}.get, foreign=0.3)
-    sim.run(30.0, QUIET.get)
-    assert sim.calls == []
-    # Dropped for another reason (a burst of stalls), the engine probes back at the first hold: a core is free.
-    sim.run(3.5, AUTOGROUP.get)
-    assert sim.adapter.threads == 1 and sim.reasons() == ["stall"]
-    sim.run(10.0, QUIET.get)
-    assert sim.adapter.threads == 2 and "probe" in sim.reasons()
 
 
 def test_a_quiet_noisy_trace_never_changes_threads():
     import random
 
     rng = random.Random(0)
-    sim = Sim([2, 1], wait=lambda t: 0.05, foreign=0.2)
+    sim = Sim([2, 1])
     sim.run(60.0, lambda t: QUIET[t] * (1 + 0.3 * rng.random()) * (5 if rng.random() < 0.01 else 1))
     assert sim.calls == []
 

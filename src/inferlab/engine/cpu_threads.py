@@ -6,19 +6,18 @@ autogroup, a noisy VM neighbour, a CFS quota) each parallel region waits for a d
 that took 13 ms takes a scheduler period or more (measured: batch-1 decode at 1% of its quiet speed). One
 thread fewer per region degrades in proportion to the CPU lost instead.
 
-Two signals, measured:
-- Our threads' wait for a CPU (engine/cpu_contention.py: run_delay from schedstat, per thread of the team, no
-  reference needed) while other processes hold a core (their CPU time, from /proc/stat). Over a quarter of the
-  time spent waiting then means the team shares its cores with them: one thread fewer. It is what catches a
-  machine that was already busy at start-up, whose stalled steps would look normal. Waiting alone is not enough:
-  the server's own event loop makes two OpenMP threads on two cores wait too.
-- The step time, relative to what a step of the same size (tokens, bucketed by powers of two) took at the full
-  thread count: two steps in a row four times slower ("stall"), or a median 1.8x slower ("slow": a CFS quota
-  throttles without our threads waiting on a run queue).
-The way back is measured too. After a hold time the engine probes one level up, but only when the other processes
-leave a core free (their CPU time, from /proc/stat), or after the longest hold whatever they use (a nice-19
-neighbour takes CPU we would win back). A probe whose threads wait, or that stalls, ends at once and doubles the
-hold (2 s to 64 s); one that runs faster than the fallback stays.
+The signal is the step time itself, relative to what a step of the same size (tokens, bucketed by powers of two)
+took at the full thread count: it measures exactly what users feel, and compares thread counts on the machine as it
+is now. Two steps in a row four times slower ("stall"), or a median 1.8x slower ("slow": a CFS quota throttles),
+step down. A server started beside a busy neighbour never sees a quiet step, so before the model loads it reads
+what other processes use (engine/cpu_contention.py) and starts with fewer threads when they hold a core
+("contended"). The way back is measured: after a hold time the engine probes one level up; a probe that stalls
+ends at once and doubles the hold (2 s to 64 s), so probing a busy machine costs a step or so per minute, and a
+probe that runs faster than the fallback stays.
+
+Our threads' wait for a CPU (schedstat run_delay) was tried as a running signal and dropped: on a quiet machine the
+server's own event loop and the bench client made two threads wait 27-43% of the time, as a neighbour would, and
+the engine flip-flopped (c16 342 against 594 tok/s, measured).
 
 The lever is `torch.set_num_threads` on the engine thread: libgomp sizes each parallel region from it. Passive
 waiting (OMP_WAIT_POLICY, GOMP_SPINCOUNT) cannot be the lever: libgomp reads them once, at start-up.
@@ -47,12 +46,8 @@ RECOVER = 1.3  # a winning probe this close to the quiet reference is logged as 
 BETTER = 0.85  # a setting must be this much faster than the other to count as faster
 HOLD_MIN, HOLD_MAX = 2.0, 64.0  # seconds before probing more threads; doubled after each failed probe
 REF_DRIFT = 1.002  # the quiet reference may rise 0.2% per full-thread step (longer contexts cost more)
-SAMPLE_EVERY = 0.05  # seconds between contention reads (a read lists and reads every thread's schedstat)
-WAIT_BUSY = 0.25  # a team whose threads wait this share of the time for a CPU is sharing its cores...
-# ... with other processes only if they leave fewer CPUs free than the team less this much. Our own threads (the
-# HTTP event loop beside two OpenMP threads on two cores) make the team wait too: measured on a quiet 2-core
-# machine under bench at 16 streams, 27-30% with the others using 0.2-0.4 CPU (the bench client); a busy loop
-# in another session uses 1.0. The same margin decides whether a probe of more threads would find its CPUs.
+# Start with fewer threads when other processes leave fewer free CPUs than the team less this much: a busy loop in
+# another session uses 1.0 CPU of 2, a quiet machine ~0.
 SPARE_CPU = 0.6
 FALLBACK_REASONS = ("stall", "slow", "contended")  # the label values of inferlab:cpu_fallbacks_total
 
@@ -72,7 +67,7 @@ class ThreadAdapter:
     levels: list[int]  # thread counts, most first: the budget, halved down to 1
     set_threads: Callable[[int], None]
     clock: Callable[[], float] = time.monotonic
-    contention: Callable[[int], Contention | None] = field(default_factory=lambda: ContentionMeter().read)
+    contention: Callable[[], Contention | None] = field(default_factory=lambda: ContentionMeter().read)
     adaptive: bool = True
     level: int = 0
     mode: str = "steady"  # steady | probe (one level up, on trial)
@@ -84,10 +79,6 @@ class ThreadAdapter:
     _compare: float = 0.0  # median ratio of the setting a probe is measured against
     _hold: float = HOLD_MIN
     _probe_at: float = 0.0
-    _forced_probe_at: float = 0.0  # a probe whatever the other processes use (HOLD_MAX after a change)
-    _next_sample: float = 0.0
-    _foreign: list[float] = field(default_factory=lambda: [0.0, 0.0])  # other processes' CPU-seconds, wall seconds
-    _cpus: int = 0  # the machine's CPUs, from the last contention read
 
     @property
     def threads(self) -> int:
@@ -104,7 +95,7 @@ class ThreadAdapter:
             self._ref[bucket] = seconds
         elif self.level == 0 and self.mode == "steady":
             self._ref[bucket] = min(ref * REF_DRIFT, seconds)
-        if self._contended() or ref is None:
+        if ref is None:
             return
         w = self._window
         w.append(seconds / ref)
@@ -115,45 +106,15 @@ class ThreadAdapter:
         elif len(w) >= CHECK_EVERY:
             self._check(statistics.median(w))
 
-    def _contended(self) -> bool:
-        """Read the threads' wait for a CPU (at most every SAMPLE_EVERY); step down, or end a probe, if they share
-        their cores. True when the thread count changed."""
-        now = self.clock()
-        if now < self._next_sample:
-            return False
-        self._next_sample = now + SAMPLE_EVERY
-        c = self.contention(self.threads)
-        if c is None:
-            return False
-        self._cpus = c.cpus
-        self._foreign[0] += c.foreign_cpus * c.wall
-        self._foreign[1] += c.wall
-        if c.wait_share <= WAIT_BUSY or self.threads == 1 or c.cpus - c.foreign_cpus >= self.threads - SPARE_CPU:
-            return False
-        why = (f"the {self.threads} threads waited for a CPU {c.wait_share:.0%} of the time; other processes used "
-               f"{c.foreign_cpus:.1f} of {c.cpus} CPUs")
-        if self.mode == "probe":
-            self._failed_probe(why)
-        else:
-            self._down("contended", why)
-        return True
-
-    def _core_free(self, now: float) -> bool:
-        """Would one level up find its CPUs? What the other processes used since the last change says."""
-        if now >= self._forced_probe_at or not self._cpus or not self._foreign[1]:
-            return True
-        foreign = self._foreign[0] / self._foreign[1]
-        return self._cpus - foreign >= self.levels[self.level - 1] - SPARE_CPU
-
     def settle_in(self, seconds: float = 0.2, sleep: Callable[[float], None] = time.sleep) -> None:
         """Before the first step (and before the model loads, whose packing runs on the team too): if other
-        processes already hold the cores, start with fewer threads. Our threads are idle here, so only what the
-        others use tells; the first steps' wait for a CPU then confirms or the first probe undoes it."""
+        processes already hold the cores, start with fewer threads. Our threads are idle here, so what the others
+        use tells; the first probe undoes it if they leave."""
         if not self.adaptive or len(self.levels) < 2:
             return
-        self.contention(self.threads)
+        self.contention()
         sleep(seconds)
-        c = self.contention(self.threads)
+        c = self.contention()
         if c is None:
             return
         level = self.level
@@ -163,8 +124,6 @@ class ThreadAdapter:
             self._hold = HOLD_MIN
             self._change(level, "steady", "contended", f"at start, other processes used {c.foreign_cpus:.1f} of "
                                                         f"{c.cpus} CPUs")
-            self._cpus = c.cpus
-            self._foreign = [c.foreign_cpus * c.wall, c.wall]
 
     def _check(self, m: float) -> None:
         now = self.clock()
@@ -174,7 +133,7 @@ class ThreadAdapter:
             self._window.clear()
         elif m > STALL and self.level + 1 < len(self.levels):
             self._down("stall", f"still x{m:.1f} the quiet time at {self.threads} threads")
-        elif now >= self._probe_at and self._core_free(now):
+        elif now >= self._probe_at:
             self._compare = m
             self._change(self.level - 1, "probe", "probe", f"trying {self.levels[self.level - 1]} threads "
                                                            f"(now x{m:.2f} the quiet time)")
@@ -213,10 +172,6 @@ class ThreadAdapter:
         self.level, self.mode = level, mode
         self._window.clear()
         self._probe_at = now + self._hold
-        self._forced_probe_at = now + HOLD_MAX
-        self._foreign = [0.0, 0.0]
-        self.contention(self.threads)  # the next read covers the new setting only
-        self._next_sample = now + SAMPLE_EVERY
         self.set_threads(self.threads)
         self._record(reason, detail, now)
 
