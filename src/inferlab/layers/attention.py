@@ -163,12 +163,16 @@ def allocate_kv_cache(layers, num_blocks: int, block_size: int, dtype: torch.dty
     attns = [layer.self_attn.attn for layer in layers]
     a = attns[0]
     shape = (len(attns), 2, a.num_kv_heads, num_blocks, block_size, a.head_dim)
-    # On the CPU, zeros the kernel fills in on first touch: the pool becomes resident as sequences use it.
+    # On the CPU, a mapping of its own (zero pages from the kernel, returned whole when the pool goes).
     pool = (zeroed_host_tensor(shape, dtype) if torch.device(device).type == "cpu"
             else torch.zeros(shape, dtype=dtype, device=device))
     # 2 MiB pages before the first write: decode attention reads scattered 2 KiB blocks, a TLB miss each on 4 KiB
     # pages (16 sequences x 192 tokens, blocks scattered over a 1 GiB pool: 9.0 -> 6.6 ms a step, measured).
     advise_huge_pages(pool)
+    # Touched now, not by the first requests: left to fault in while serving, each new huge page (zeroed, and
+    # compacted for where THP defrag is "madvise") landed inside a step, and 1-stream decode ran ~10% slower
+    # (87 against 98 tok/s, peers.py c1, measured). The pool is counted in the idle memory target anyway.
+    pool.zero_()
     bind_kv_cache(layers, pool)
     return pool
 
