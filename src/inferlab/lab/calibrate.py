@@ -100,8 +100,17 @@ def calibrate_engine(config, repeats: int = 3, log=print) -> StepCost:
     from inferlab.engine.llm_engine import LLMEngine
     from inferlab.lab.hardware import probe_this_machine
 
+    if config.num_threads is None and config.device in ("auto", "cpu"):
+        # One thread count for every step of the profile: the engine's adapter would otherwise step down on a noisy
+        # step and time part of the plan with fewer threads than the server it stands for will use.
+        from dataclasses import replace
+
+        from inferlab.common.cpu_budget import cpu_budget
+
+        config = replace(config, num_threads=cpu_budget().threads)
     engine = LLMEngine(config)
-    log(f"profiling the engine ({engine.model_name}, {engine.dtype}, {engine.block_manager.num_blocks} KV blocks)")
+    log(f"profiling the engine ({engine.model_name}, {engine.dtype}, {engine.block_manager.num_blocks} KV blocks, "
+        f"{config.num_threads or 'default'} threads)")
     feats, times, labels = profile_engine(engine, repeats, log)
     coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("request_overhead",), robust=True)
     keep_features(q, feats)
