@@ -18,9 +18,10 @@ For each run the CPU time used by anything other than the server and the bench c
 a busy second core changes every figure on a 2-core machine.
 
 Memory is a cost beside speed: each target's resident memory is read from /proc once it answers and has idled
---settle seconds (idle), and sampled every 0.25 s during each workload (peak). A server of several processes (vLLM's
-API server and engine core, the bash that starts it) is the sum over its process tree: RSS as `ps` shows it
-(libraries shared between the processes counted in each) and PSS (shared pages split), both in the JSON.
+--settle seconds (idle), and its peak during each workload is the kernel's high-water mark (VmHWM, reset before
+the workload; nothing samples the server while it is measured). A server of several processes (vLLM's API server
+and engine core, the bash that starts it) is the sum over its process tree: RSS as `ps` shows it (libraries shared
+between the processes counted in each), and at idle PSS too (shared pages split), in the JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = next((p for p in (ROOT.parent / "shared", ROOT.parents[1] / "shared") if p.is_dir()), ROOT.parent / "shared")
 sys.path.insert(0, str(ROOT / "src"))
 
-from inferlab.common.process_memory import tree_memory  # noqa: E402
+from inferlab.common.process_memory import reset_peak_rss, tree_memory, tree_peak_rss  # noqa: E402
 
 MiB = 2**20
 
@@ -175,34 +175,21 @@ def _descends(pid: int, ancestor: int) -> bool:
 
 
 class PeakMemory:
-    """The highest RSS and PSS of a server's process tree, sampled on a thread while a workload runs."""
+    """The highest RSS of a server's process tree while a workload runs: the kernel's high-water mark, reset on
+    entry and read on exit, so nothing samples the server (or takes its mmap lock) while it is measured."""
 
-    def __init__(self, pid: int, interval: float = 0.25):
-        self.pid, self.interval = pid, interval
-        self.rss = self.pss = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.interval)
-
-    def sample(self) -> None:
-        try:
-            m = tree_memory(self.pid)
-        except ProcessLookupError:
-            return
-        self.rss, self.pss = max(self.rss, m.rss), max(self.pss, m.pss)
+    def __init__(self, pid: int):
+        self.pid, self.rss = pid, 0
 
     def __enter__(self) -> "PeakMemory":
-        self._thread.start()
+        reset_peak_rss(self.pid)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
+        try:
+            self.rss = tree_peak_rss(self.pid)
+        except ProcessLookupError:
+            pass
 
 
 def run_bench(base_url: str, model: str | None, wl: str, outdir: Path, quick: bool) -> tuple[dict, float]:
@@ -287,7 +274,7 @@ def main() -> int:
                 row["machine_busy_frac"] = busy_frac
                 row["server_cpu_frac"] = server_frac
                 row["idle_rss_bytes"], row["idle_pss_bytes"] = idle.rss, idle.pss
-                row["peak_rss_bytes"], row["peak_pss_bytes"] = peak.rss, peak.pss
+                row["peak_rss_bytes"] = peak.rss
                 results[name][wl] = row
                 print(f"   {wl:8s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
                       f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} p99 {row['itl_p99_ms'] or 0:6.1f} ms  "

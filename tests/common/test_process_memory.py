@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from inferlab.common.host_memory import zeroed_host_tensor
-from inferlab.common.process_memory import PAGE, process_tree, resident_bytes, rollup, tree_memory
+from inferlab.common.process_memory import (PAGE, process_tree, reset_peak_rss, resident_bytes, rollup, tree_memory,
+                                             tree_peak_rss)
 
 MiB = 2**20
 
@@ -72,3 +73,29 @@ def test_rollup_and_tree_memory_see_a_child_that_holds_a_known_amount():
         child.wait(timeout=30)
     with pytest.raises(ProcessLookupError):
         tree_memory(child.pid)
+
+
+def test_tree_peak_rss_holds_a_freed_peak_until_reset():
+    # The child writes 96 MiB and frees it: its peak stays; a reset starts the mark again at what it holds now.
+    code = ("import sys\n"
+            "for line in sys.stdin:\n"
+            "    b = bytearray(int(line) * 2**20); b[::4096] = b'x' * len(b[::4096]); del b\n"
+            "    print('ok', flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdin.write("96\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"
+        now = rollup(child.pid).rss
+        assert tree_peak_rss(child.pid) >= now + 96 * MiB - 8 * MiB  # freed (bytearray's pages go back), peak kept
+        reset_peak_rss(child.pid)
+        assert tree_peak_rss(child.pid) < now + 16 * MiB
+        child.stdin.write("48\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"
+        assert now + 40 * MiB <= tree_peak_rss(child.pid) < now + 96 * MiB
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    with pytest.raises(ProcessLookupError):
+        tree_peak_rss(child.pid)

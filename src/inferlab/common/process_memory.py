@@ -84,6 +84,42 @@ def tree_memory(pid: int) -> MemoryRollup:
     return total
 
 
+def _peak_rss(pid: int) -> int:
+    """VmHWM from /proc/PID/status: the kernel's own high-water mark of the process's RSS, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no VmHWM in /proc/{pid}/status")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Restart the high-water mark of every process in the tree at its current RSS (clear_refs 5, Linux 4.0+)."""
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            continue  # exited, or not ours to reset: its peak then counts from its start
+
+
+def tree_peak_rss(pid: int) -> int:
+    """The sum of each process's peak RSS since its last reset. Reading it costs nothing while the processes run,
+    unlike sampling smaps_rollup, which took 17 ms of CPU a read for a 1 GiB server and holds its mmap lock meanwhile
+    (sampled every 0.25 s it cost a 2-core server at one stream several percent, measured). The processes' peaks
+    need not coincide, so the sum is an upper bound of the tree's peak."""
+    total, found = 0, False
+    for p in process_tree(pid):
+        try:
+            total += _peak_rss(p)
+            found = True
+        except OSError:
+            continue
+    if not found:
+        raise ProcessLookupError(f"no process {pid} (or /proc/{pid}/status is not readable)")
+    return total
+
+
 def resident_bytes(address: int, nbytes: int) -> int:
     """Bytes of [address, address + nbytes) in this process that are in RAM (whole pages at the ends counted in
     part), read from /proc/self/pagemap. Swapped pages are not counted; a never-written page that was read maps
