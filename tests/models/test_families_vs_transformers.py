@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_oracle import hf_generate
 from tiny_models import build_hf_model, save_gguf, save_hf
 
 from inferlab import LLM, SamplingParams
@@ -37,17 +38,6 @@ def built(tmp_path_factory):
         root = tmp_path_factory.mktemp(fam)
         out[fam] = (m, save_hf(m, tok, root / "hf"), save_gguf(m, fam, root / f"{fam}.gguf", bundled_model_path()))
     return out, tok
-
-
-def hf_generate(model, ids: list[int], n: int) -> list[int]:
-    """Greedy with transformers' own KV cache, never stopping at EOS (the engine's ignore_eos)."""
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-        tokens = [int(out.logits[0, -1].argmax())]
-        for _ in range(n - 1):
-            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
 
 
 def _llm(path, **kw) -> LLM:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_oracle import hf_generate
+
 from inferlab import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -65,17 +67,6 @@ def prompts():
         lighthouse,
         lighthouse + "\n\nThen, without warning, the light went out and",
     ]
-
-
-def hf_generate(model, ids: list[int], n: int) -> list[int]:
-    """Greedy with transformers' own KV cache, never stopping at EOS (the engine's ignore_eos)."""
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=True)
-        tokens = [int(out.logits[0, -1].argmax())]
-        for _ in range(n - 1):
-            out = model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-            tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
 
 
 @pytest.fixture(scope="module")

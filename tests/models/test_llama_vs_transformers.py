@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_oracle import hf_generate
+
 from inferlab import SamplingParams
 
 PLAIN = [
@@ -19,17 +21,6 @@ CHAT = [
     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What color is the sky?"}],
     [{"role": "user", "content": "Explain what a hash table is in two sentences."}],
 ]
-
-
-def hf_generate(hf_model, ids: list[int], n: int) -> list[int]:
-    """Greedy continuation by transformers' model with its own KV cache, never stopping at EOS (the engine's
-    ignore_eos; `generate` would stop there whatever its config says)."""
-    out = hf_model(torch.tensor([ids]), use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
-    for _ in range(n - 1):
-        out = hf_model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
 
 
 def _ids(llm, prompt) -> list[int]:

@@ -18,7 +18,7 @@ from inferlab.engine.kv_transfer import HandOff, KVTransport
 from inferlab.engine.logprobs import TokenLogprob, token_logprobs
 from inferlab.engine.model_runner import ModelRunner, StepInputs
 from inferlab.engine.outputs import EngineStats, RequestMetrics, RequestOutput
-from inferlab.engine.prompt import Prompt, PromptTokenizer
+from inferlab.engine.prompt import Prompt, PromptTokenizer, check_prompt_fits
 from inferlab.common.host_memory import available_memory, keep_step_buffers, release_free_heap
 from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
@@ -127,13 +127,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         token_ids, text = self.tokenize_prompt(prompt)
         n = len(token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"{self.max_len_reason} is {self.max_model_len} tokens, but {n + params.max_tokens} "
-                f"were requested ({n} in the prompt, {params.max_tokens} in max_tokens); shorten the prompt or "
-                f"lower max_tokens", "prompt" if n >= self.max_model_len else "max_tokens")
+        check_prompt_fits(n, params.max_tokens, self.max_model_len, self.max_len_reason)
         seq = Sequence(request_id, token_ids, params, RequestMetrics(arrival_time or time.perf_counter()),
                        cache_salt=cache_salt, prompt_text=text)
         self._register(seq)

@@ -24,6 +24,18 @@ def bos_prefix(tokenizer) -> list[int]:
     return [] if tokenizer.encode("a", add_special_tokens=False)[:1] == [bos] else [bos]
 
 
+def check_prompt_fits(n: int, max_tokens: int, max_model_len: int, reason: str) -> None:
+    """A request's prompt must hold a token and, with max_tokens more, fit the context; `reason` names what sets
+    max_model_len (the model's context, or a KV pool smaller than it)."""
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if n + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"{reason} is {max_model_len} tokens, but {n + max_tokens} were requested ({n} in the prompt, "
+            f"{max_tokens} in max_tokens); shorten the prompt or lower max_tokens",
+            "prompt" if n >= max_model_len else "max_tokens")
+
+
 class PromptTokenizer:
     def __init__(self, tokenizer: Any, vocab_size: int):
         self.tokenizer = tokenizer

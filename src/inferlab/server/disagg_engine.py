@@ -41,7 +41,7 @@ from multiprocessing.shared_memory import SharedMemory
 from inferlab.common.errors import InvalidRequestError
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.outputs import EngineStats, RequestOutput
-from inferlab.engine.prompt import Prompt, PromptTokenizer
+from inferlab.engine.prompt import Prompt, PromptTokenizer, check_prompt_fits
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.server.disagg_messages import (Abort, Add, HandedOff, Inject, Outputs, Ready, Release, Released,
                                              Role)
@@ -145,13 +145,7 @@ class DisaggEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         token_ids, _ = self.tokenize_prompt(prompt)
         n = len(token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"the context length is {self.max_model_len} tokens, but {n + params.max_tokens} were requested "
-                f"({n} in the prompt, {params.max_tokens} in max_tokens); shorten the prompt or lower max_tokens",
-                "prompt" if n >= self.max_model_len else "max_tokens")
+        check_prompt_fits(n, params.max_tokens, self.max_model_len, "the maximum context length")
         if -(-n // self.block_size) > self.transfer_blocks:
             raise InvalidRequestError(
                 f"a {n}-token prompt's KV does not fit the KV transfer buffer ({self.transfer_blocks} blocks of "
