@@ -14,16 +14,16 @@ class Sim:
     """A fake machine: step time is a function of the thread count; the adapter's clock advances by it. `foreign`:
     the CPUs other processes use (of 2)."""
 
-    def __init__(self, levels: list[int], foreign: float = 0.0):
+    def __init__(self, levels: list[int], foreign: float = 0.0, throttled: float = 0.0):
         self.now = 0.0
         self.calls: list[int] = []
-        self.foreign = foreign
+        self.foreign, self.throttled = foreign, throttled
         self._last = 0.0
         self.adapter = ThreadAdapter(levels, self.calls.append, clock=lambda: self.now, contention=self._read)
 
     def _read(self) -> Contention | None:
         last, self._last = self._last, self.now
-        return None if self.now <= last else Contention(self.now - last, self.foreign, 2)
+        return None if self.now <= last else Contention(self.now - last, self.foreign, 2, self.throttled)
 
     def settle_in(self) -> None:
         self.adapter.settle_in(0.2, sleep=lambda s: setattr(self, "now", self.now + s))
@@ -85,11 +85,29 @@ def test_a_quota_below_the_team_falls_back_when_fewer_threads_are_faster():
     quota = {2: 0.022, 1: 0.016}
     sim = Sim([2, 1])
     sim.run(1.0, QUIET.get)
+    sim.throttled = 0.4  # the quota arrives: the cgroup's cpu.stat counts throttled time
     sim.run(30.0, quota.get)
     assert sim.adapter.threads == 1
     assert sim.adapter.fallbacks == {"slow": 1}
     assert "probe_failed" in sim.reasons()  # probes keep measuring 2 threads slower, so 1 stays
     assert sim.adapter.recoveries == 0
+
+
+def test_slow_steps_step_down_only_where_another_process_or_a_quota_holds_a_core():
+    # Steps 2x slower than quiet: a neighbour holding a core (1.0 CPU of 2) makes one thread faster; with no other
+    # process busy and no throttling the slowdown is the host's or our own, and fewer threads cannot help.
+    slow = {2: 0.020, 1: 0.016}
+    quiet_host = Sim([2, 1], foreign=0.3)  # the bench client
+    quiet_host.run(1.0, QUIET.get)
+    quiet_host.run(30.0, slow.get)
+    assert quiet_host.calls == [] and quiet_host.adapter.fallbacks == {}
+    neighbour = Sim([2, 1])
+    neighbour.run(1.0, QUIET.get)
+    neighbour.foreign = 1.0
+    neighbour.run(30.0, slow.get)
+    assert neighbour.adapter.threads == 1 and neighbour.adapter.fallbacks == {"slow": 1}
+    slow_down = next(d for d in neighbour.adapter.decisions if d.reason == "slow")
+    assert "other processes used 1.0 of 2 CPUs" in slow_down.detail
 
 
 def test_a_probe_that_is_faster_though_not_quiet_wins():
@@ -189,3 +207,32 @@ def test_the_engine_reports_its_threads(llm_fp32):
     s = engine.stats()
     assert s.cpu_threads == engine.cpu_threads.threads == torch.get_num_threads()
     assert s.cpu_threads_max == engine.cpu_threads.levels[0]
+
+
+def test_the_meter_reads_other_processes_and_quota_throttling_from_a_fake_root(tmp_path):
+    from pathlib import Path
+
+    from inferlab.engine.cpu_contention import ContentionMeter
+
+    def write(rel: str, text: str) -> None:
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+    def sample(busy_user: int, own: int, throttled_usec: int) -> None:
+        # /proc/stat: user nice system idle iowait irq softirq steal; /proc/self/stat: utime, stime are fields 14-15
+        write("proc/stat", f"cpu  {busy_user} 0 0 5000 0 0 0 0 0 0\ncpu0 0 0 0 0\ncpu1 0 0 0 0\n")
+        write("proc/self/stat", "42 (python (x)) S " + " ".join(["0"] * 10) + f" {own} 0 0 0\n")
+        write("sys/fs/cgroup/svc/cpu.stat", f"usage_usec 1\nnr_throttled 3\nthrottled_usec {throttled_usec}\n")
+
+    write("proc/self/cgroup", "0::/svc\n")
+    write("proc/self/mountinfo", "30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
+    now = [0.0]
+    meter = ContentionMeter(root=Path(tmp_path), clock=lambda: now[0])
+    meter._tck = 100
+    sample(1000, 300, 0)
+    assert meter.read() is None  # the first read only sets the base
+    now[0] = 2.0
+    sample(1000 + 300, 300 + 100, 500_000)  # 3 s busy in 2 s, 1 s of it ours; throttled 0.5 s
+    c = meter.read()
+    assert (c.cpus, round(c.foreign_cpus, 3), round(c.throttled, 3)) == (2, 1.0, 0.25)

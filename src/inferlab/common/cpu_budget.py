@@ -123,26 +123,55 @@ def _quota_v1(d: Path) -> float | None:
     return None if quota <= 0 or period <= 0 else quota / period
 
 
-def cgroup_quota(root: Path = Path("/")) -> tuple[float | None, str | None]:
-    """The tightest CPU quota on this process's cgroup and its ancestors (v2 cpu.max, v1 cpu.cfs_quota_us), in
-    CPUs, and the file it came from; (None, None) when none is set or none can be read."""
+def _cpu_cgroup_dirs(root: Path) -> list[tuple[str, Path]]:
+    """(fstype, directory) of this process's CPU cgroup and its ancestors, in every hierarchy that has one."""
     v2, v1 = _cgroup_paths(root)
     mounts = _mounts(root)
     if not mounts:  # no mountinfo (a minimal fake tree): the conventional places
         mounts = [("cgroup2", "/sys/fs/cgroup", "/", ""), ("cgroup2", "/sys/fs/cgroup/unified", "/", ""),
                   ("cgroup", "/sys/fs/cgroup/cpu,cpuacct", "/", "cpu"), ("cgroup", "/sys/fs/cgroup/cpu", "/", "cpu")]
-    best: tuple[float | None, str | None] = (None, None)
+    out = []
     for fstype, mount, mount_root, options in mounts:
         if fstype == "cgroup2" and v2 is not None:
-            path, read, name = v2, _quota_v2, "cpu.max"
+            path = v2
         elif fstype == "cgroup" and v1 is not None and "cpu" in options.split(","):
-            path, read, name = v1, _quota_v1, "cpu.cfs_quota_us"
+            path = v1
         else:
             continue
-        for d in _dirs(root, mount, mount_root, path):
-            q = read(d)
-            if q is not None and (best[0] is None or q < best[0]):
-                best = (q, "/" + str((d / name).relative_to(root)))
+        out += [(fstype, d) for d in _dirs(root, mount, mount_root, path)]
+    return out
+
+
+def cgroup_quota(root: Path = Path("/")) -> tuple[float | None, str | None]:
+    """The tightest CPU quota on this process's cgroup and its ancestors (v2 cpu.max, v1 cpu.cfs_quota_us), in
+    CPUs, and the file it came from; (None, None) when none is set or none can be read."""
+    best: tuple[float | None, str | None] = (None, None)
+    for fstype, d in _cpu_cgroup_dirs(root):
+        read, name = (_quota_v2, "cpu.max") if fstype == "cgroup2" else (_quota_v1, "cpu.cfs_quota_us")
+        q = read(d)
+        if q is not None and (best[0] is None or q < best[0]):
+            best = (q, "/" + str((d / name).relative_to(root)))
+    return best
+
+
+def throttle_stat_files(root: Path = Path("/")) -> list[Path]:
+    """The cpu.stat files whose throttled time says a CPU quota on this process's cgroup (or an ancestor) held it
+    back: v2 `throttled_usec`, v1 `throttled_time` (ns). Found once; read with `throttled_seconds`."""
+    return [d / "cpu.stat" for _, d in _cpu_cgroup_dirs(root) if (d / "cpu.stat").is_file()]
+
+
+def throttled_seconds(files: list[Path]) -> float:
+    """The most throttled time, cumulative, of any of these cpu.stat files (each cgroup counts its own periods)."""
+    best = 0.0
+    for f in files:
+        try:
+            lines = f.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, _, value = line.partition(" ")
+            if key in ("throttled_usec", "throttled_time"):
+                best = max(best, int(value) / (1e6 if key == "throttled_usec" else 1e9))
     return best
 
 

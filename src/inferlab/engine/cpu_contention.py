@@ -1,13 +1,15 @@
-"""How much of the machine's CPU other processes use, measured from /proc without a reference.
+"""How much of the machine's CPU other processes use, and how long a CPU quota held us back, from /proc and the
+cgroup's cpu.stat, without a reference.
 
 A server started beside a busy neighbour never sees a quiet step, so step times alone cannot tell it that its
 threads share their cores (the thread adapter's reference would be the stalled time). Before the model loads, our
 threads are idle: the machine's busy time (/proc/stat) minus our own (/proc/self/stat) is then what the others use.
 A busy loop in another login session shows as 1.0 CPU of 2.
 
-Not used while serving: there the others include the bench client, whose share (0.2-0.8 CPU on the 2-core machine
-at 8-64 streams, measured) overlaps a neighbour's, and our own HTTP event loop makes the team wait on a run queue
-as a neighbour would (27-43% of the time, measured): step times, compared between thread counts, decide there.
+While serving it is evidence, not a trigger: the others then include the bench client (0.2-0.8 CPU on the 2-core
+machine at 8-64 streams, measured), so what they use cannot say on its own that the team shares its cores. But a
+step slowdown with no other process holding a core and no quota throttling us comes from somewhere fewer threads
+cannot help (the host's own noise, our own event loop), and the thread adapter keeps its team then.
 
 Linux only; elsewhere `read()` returns None.
 """
@@ -20,12 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inferlab.common.cpu_budget import throttle_stat_files, throttled_seconds
+
 
 @dataclass(slots=True, frozen=True)
 class Contention:
     wall: float  # seconds the sample covers
     foreign_cpus: float  # CPUs' worth of time other processes used over the interval
     cpus: int  # the machine's CPUs
+    throttled: float = 0.0  # the share of the interval a CPU quota on our cgroup (or an ancestor) held us back
 
 
 @dataclass(slots=True)
@@ -34,10 +39,11 @@ class ContentionMeter:
 
     root: Path = Path("/")
     clock: Callable[[], float] = time.monotonic
-    _last: tuple[float, int, int] | None = None  # (wall, busy ticks, own ticks)
+    _last: tuple[float, int, int, float] | None = None  # (wall, busy ticks, own ticks, throttled seconds)
     _ok: bool = True
     _cpus: int = 1
     _tck: int = field(default_factory=lambda: os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+    _throttle_files: list[Path] | None = None
 
     def _busy_ticks(self) -> int:
         """Ticks all CPUs spent neither idle nor in iowait, from /proc/stat (which also counts the CPUs)."""
@@ -54,7 +60,9 @@ class ContentionMeter:
         if not self._ok:
             return None
         try:
-            sample = (self.clock(), self._busy_ticks(), self._own_ticks())
+            if self._throttle_files is None:
+                self._throttle_files = throttle_stat_files(self.root)
+            sample = (self.clock(), self._busy_ticks(), self._own_ticks(), throttled_seconds(self._throttle_files))
         except (OSError, ValueError, IndexError):
             self._ok = False  # no /proc here: stop trying
             return None
@@ -63,4 +71,5 @@ class ContentionMeter:
             return None
         wall = sample[0] - last[0]
         foreign = max(0.0, ((sample[1] - last[1]) - (sample[2] - last[2])) / self._tck / wall)
-        return Contention(wall, foreign, self._cpus)
+        throttled = min(1.0, max(0.0, (sample[3] - last[3]) / wall))
+        return Contention(wall, foreign, self._cpus, throttled)

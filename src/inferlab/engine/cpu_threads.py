@@ -8,8 +8,10 @@ thread fewer per region degrades in proportion to the CPU lost instead.
 
 The signal is the step time itself, relative to what a step of the same size (tokens, bucketed by powers of two)
 took at the full thread count: it measures exactly what users feel, and compares thread counts on the machine as it
-is now. Two steps in a row four times slower ("stall"), or a median 1.8x slower ("slow": a CFS quota throttles),
-step down. A server started beside a busy neighbour never sees a quiet step, so before the model loads it reads
+is now. Two steps in a row four times slower ("stall") step down at once; a median 1.8x slower ("slow") steps down
+only where another process held a core or a CPU quota throttled us meanwhile (engine/cpu_contention.py): on a
+quiet machine the host's own noise made steps that slow for a moment, and 3 of 8 quiet peers.py runs of one
+server fell back to one thread for seconds or for good (measured), where fewer threads could not help. A server started beside a busy neighbour never sees a quiet step, so before the model loads it reads
 what other processes use (engine/cpu_contention.py) and starts with fewer threads when they hold a core
 ("contended"). The way back is measured: after a hold time the engine probes one level up; a probe that stalls
 ends at once and doubles the hold (2 s to 64 s), so probing a busy machine costs a step or so per minute, and a
@@ -49,6 +51,10 @@ REF_DRIFT = 1.002  # the quiet reference may rise 0.2% per full-thread step (lon
 # Start with fewer threads when other processes leave fewer free CPUs than the team less this much: a busy loop in
 # another session uses 1.0 CPU of 2, a quiet machine ~0.
 SPARE_CPU = 0.6
+# While serving, other processes hold a core when they use this much (the bench client uses 0.2-0.8 CPU at 8-64
+# streams, a busy loop 1.0), and a quota held us back when it throttled this share of the window.
+HELD_CORE = 0.9
+THROTTLED = 0.05
 FALLBACK_REASONS = ("stall", "slow", "contended")  # the label values of inferlab:cpu_fallbacks_total
 
 
@@ -128,8 +134,11 @@ class ThreadAdapter:
     def _check(self, m: float) -> None:
         now = self.clock()
         if self.level == 0:
-            if m > DEGRADED:
-                self._down("slow", f"steps took x{m:.2f} the quiet time of their size (median of {CHECK_EVERY})")
+            held = self.contention()  # since the previous check or change: this window
+            if m > DEGRADED and (held is None or held.foreign_cpus >= HELD_CORE or held.throttled >= THROTTLED):
+                why = "" if held is None else (f"; other processes used {held.foreign_cpus:.1f} of {held.cpus} "
+                                               f"CPUs, a quota throttled us {held.throttled:.0%} of the time")
+                self._down("slow", f"steps took x{m:.2f} the quiet time of their size (median of {CHECK_EVERY}){why}")
             self._window.clear()
         elif m > STALL and self.level + 1 < len(self.levels):
             self._down("stall", f"still x{m:.1f} the quiet time at {self.threads} threads")
@@ -171,6 +180,7 @@ class ThreadAdapter:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
         self.level, self.mode = level, mode
         self._window.clear()
+        self.contention()  # the next window's evidence starts here
         self._probe_at = now + self._hold
         self.set_threads(self.threads)
         self._record(reason, detail, now)
