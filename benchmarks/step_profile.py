@@ -1,6 +1,7 @@
 """Where a decode step's time goes, by engine phase, at a few batch sizes.
 
     python benchmarks/step_profile.py [--batches 16 64] [--context 192] [--temperature 1.0] [--steps 20]
+    python benchmarks/step_profile.py --model gemma3 --batches 1 --engine-arg quantization=int4
 
 B sequences with --context random prompt tokens are prefilled, then --steps decode steps are timed with a timer
 around each phase the engine runs: scheduling, input preparation, the decoder layers (`model`: one C++ call for
@@ -24,11 +25,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--temperature", type=float, default=1.0, help="1.0: what `inferlab bench` asks for by default")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--model", default=None, help="a GGUF or HF folder, or gemma3 (the Gemma 3 270M package's "
+                                                  "file); default: the bundled SmolLM2")
+    ap.add_argument("--engine-arg", action="append", default=[], help="EngineConfig field=value, repeatable")
     args = ap.parse_args()
 
     from inferlab import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16", kv_cache_memory=1024 * 2**20)
+    from inferlab.common.bundled import gemma3_model_path
+
+    extra = dict(kv.split("=", 1) for kv in args.engine_arg)
+    if args.model:
+        extra["model"] = str(gemma3_model_path()) if args.model == "gemma3" else args.model
+    llm = LLM(dtype="bfloat16", kv_cache_memory=1024 * 2**20, **extra)
     eng = llm.engine
     times: dict[str, float] = collections.defaultdict(float)
 
@@ -50,7 +59,8 @@ def main() -> None:
     timed(eng.runner.model, "compute_logits", "logits")
     timed(eng, "sampler", "sampler")
     timed(eng, "_append_tokens", "append")
-    print(f"{torch.get_num_threads()} threads, bf16, context {args.context}, temperature {args.temperature}")
+    print(f"{eng.model_name}: {torch.get_num_threads()} threads, bf16, context {args.context}, temperature "
+          f"{args.temperature}, quantization {eng.quant_path}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 16, ignore_eos=True)
     for b in args.batches:

@@ -1,10 +1,12 @@
 """The one-call path for decode steps (kernels/decode_layers.cpp) computes exactly what the layers compute one by
 one: same kernels, same order, so greedy generations are token-for-token identical with it and without it, for
-steps inferlab's gemv takes (1-4 tokens) and for larger ones that use the packed weights."""
+steps inferlab's gemv takes (1-4 tokens) and for larger ones that use the packed weights; for Llama (the bundled
+model), and for Qwen3's QK-norm and Gemma 3's layer on tiny random-weight models."""
 
 from __future__ import annotations
 
 import pytest
+from tiny_models import build_hf_model, save_hf
 
 from inferlab import LLM, SamplingParams
 from inferlab.kernels import cpu_kernels, gemv_kernels
@@ -24,16 +26,9 @@ def _generate(llm: LLM) -> list[list[int]]:
     return wide + together + alone
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
-    llm = LLM(quantization=quantization, dtype="bfloat16", kv_cache_memory=64 * 2**20)
+def _compare_with_and_without(llm: LLM, monkeypatch) -> None:
     model = llm.engine.runner.model.model
-    assert model.decode_plan is not None
     kernels, calls = cpu_kernels(), []
-    # Every projection is handed to C++ as the kind of layer it is (the tied LM head is not a layer's projection).
-    kind = {"none": kernels.ProjKind.PACKED, "int8": kernels.ProjKind.INT8, "int4": kernels.ProjKind.INT4}
-    assert {getattr(layer, n).kind for layer in model.decode_plan.layers
-            for n in ("qkv", "o", "gate_up", "down")} == {kind[quantization]}
     real = kernels.decode_layers
     monkeypatch.setattr(kernels, "decode_layers", lambda *a: calls.append(a[1].shape[0]) or real(*a))
     with_plan = _generate(llm)
@@ -41,9 +36,41 @@ def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
     plan, model.decode_plan = model.decode_plan, None
     calls.clear()
     without = _generate(llm)
-    assert not calls
-    assert with_plan == without
+    assert not calls and with_plan == without
     model.decode_plan = plan
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
+    llm = LLM(quantization=quantization, dtype="bfloat16", kv_cache_memory=64 * 2**20)
+    model = llm.engine.runner.model.model
+    assert model.decode_plan is not None
+    kernels = cpu_kernels()
+    # Every projection is handed to C++ as the kind of layer it is (the tied LM head is not a layer's projection).
+    kind = {"none": kernels.ProjKind.PACKED, "int8": kernels.ProjKind.INT8, "int4": kernels.ProjKind.INT4}
+    assert {getattr(layer, n).kind for layer in model.decode_plan.layers
+            for n in ("qkv", "o", "gate_up", "down")} == {kind[quantization]}
+    assert all(layer.q_norm is None and layer.post_attn_norm is None for layer in model.decode_plan.layers)
+    _compare_with_and_without(llm, monkeypatch)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_plan_serves_qwen3_and_gemma3_layers_token_identically(family, quantization, tmp_path_factory, monkeypatch):
+    from inferlab.models.loader import load_tokenizer
+
+    # Gemma's window (64) holds every context here: the plan serves every decode step (it declines past it).
+    extra = {"sliding_window": 64} if family == "gemma3" else {}
+    folder = save_hf(build_hf_model(family, **extra), load_tokenizer(None), tmp_path_factory.mktemp(family) / "hf")
+    llm = LLM(model=str(folder), quantization=quantization, dtype="bfloat16", kv_cache_memory=16 * 2**20)
+    model = llm.engine.runner.model.model
+    plan = model.decode_plan
+    assert plan is not None and plan.gelu == (family == "gemma3")
+    assert all(layer.q_norm is not None and layer.k_norm is not None for layer in plan.layers)
+    if family == "gemma3":
+        assert [layer.local for layer in plan.layers] == [True, False, True]
+        assert all(layer.post_attn_norm is not None and layer.post_ff_norm is not None for layer in plan.layers)
+    _compare_with_and_without(llm, monkeypatch)
 
 
 def test_no_plan_where_the_kernels_do_not_apply(llm_fp32):

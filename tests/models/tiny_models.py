@@ -33,19 +33,19 @@ def hf_config(family: str, **extra):
         # What the real 270M (tests/models/test_gemma3_vs_transformers.py) does not have: a query_pre_attn_scalar
         # other than head_dim, a final logit soft-cap, linear rope scaling on the global layers; window 8.
         shape = {**SHAPE, "num_hidden_layers": 3}
-        return transformers.Gemma3TextConfig(
-            **shape, head_dim=32, sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **extra)
+        kw = dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        return transformers.Gemma3TextConfig(**shape, **{**kw, **extra})
     raise ValueError(family)
 
 
-def build_hf_model(family: str, seed: int = 0):
+def build_hf_model(family: str, seed: int = 0, **extra):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = hf_config(family)
+    cfg = hf_config(family, **extra)
     cfg._attn_implementation = "eager"  # its sliding window is applied in eager attention
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -42,13 +42,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("qkv", &PlanLayer::qkv)
       .def_readwrite("o", &PlanLayer::o)
       .def_readwrite("gate_up", &PlanLayer::gate_up)
-      .def_readwrite("down", &PlanLayer::down);
+      .def_readwrite("down", &PlanLayer::down)
+      .def_readwrite("q_norm", &PlanLayer::q_norm)
+      .def_readwrite("k_norm", &PlanLayer::k_norm)
+      .def_readwrite("post_attn_norm", &PlanLayer::post_attn_norm)
+      .def_readwrite("post_ff_norm", &PlanLayer::post_ff_norm)
+      .def_readwrite("local", &PlanLayer::local);
   pybind11::class_<DecodePlan>(m, "DecodePlan")
       .def(pybind11::init<>())
       .def_readwrite("layers", &DecodePlan::layers)
       .def_readwrite("eps", &DecodePlan::eps)
       .def_readwrite("scale", &DecodePlan::scale)
       .def_readwrite("heads", &DecodePlan::heads)
-      .def_readwrite("kv_heads", &DecodePlan::kv_heads);
+      .def_readwrite("kv_heads", &DecodePlan::kv_heads)
+      .def_readwrite("gelu", &DecodePlan::gelu);
   m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)", nogil);
 }

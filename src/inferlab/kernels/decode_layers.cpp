@@ -6,7 +6,8 @@
 //
 // This is a second implementation of the Python decoder layers, kept paired with them: the loop below mirrors
 // models/llama.py (LlamaDecoderLayer.forward with LlamaAttention, PagedAttention._decode and LlamaMLP on their
-// kernel paths, layers/norm.py's RMSNorm), and PlanLinear (decode_layers.h) mirrors the forward() of the layer
+// kernel paths, layers/norm.py's RMSNorm), with the options Qwen3 (models/qwen3.py: QK-norm) and Gemma 3
+// (models/gemma3.py: QK-norm, sandwich norms, GELU, a second rotary table) add, and PlanLinear (decode_layers.h) mirrors the forward() of the layer
 // each ProjKind names. The same kernels run in the same order with the same arguments, so the result is
 // bit-identical; only the glue is gone. Python builds a DecodePlan once (LlamaModel.build_decode_plan: the weights
 // in whichever form each projection holds them, and each layer's slice of the KV pool) and uses it for every
@@ -17,24 +18,58 @@
 
 #include "kernels.h"
 
+namespace {
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return std::get<0>(add_rms_norm(x, c10::nullopt, weight, eps));  // RMSNorm(x) without a residual
+}
+
+// Qwen3Attention.project_qkv: each Q and K head normed as a row of a 2-D tensor, V as it is.
+torch::Tensor qk_norm(const torch::Tensor& qkv, const PlanLayer& l, int64_t H, int64_t KVH, double eps) {
+  const int64_t T = qkv.size(0), D = l.q_norm.size(0);
+  const torch::Tensor q = rms_norm(qkv.narrow(1, 0, H * D).reshape({-1, D}), l.q_norm, eps);
+  const torch::Tensor k = rms_norm(qkv.narrow(1, H * D, KVH * D).reshape({-1, D}), l.k_norm, eps);
+  return torch::cat({q.view({T, -1}), k.view({T, -1}), qkv.narrow(1, (H + KVH) * D, KVH * D)}, 1);
+}
+
+// LlamaMLP's kernels.silu_mul, or Gemma3MLP's F.gelu(gate, approximate="tanh") * up on the same split.
+torch::Tensor activation(const torch::Tensor& gate_up, bool gelu) {
+  if (!gelu) return silu_mul(gate_up);
+  const int64_t I = gate_up.size(1) / 2;
+  return at::gelu(gate_up.narrow(1, 0, I), "tanh") * gate_up.narrow(1, I, I);
+}
+
+}  // namespace
+
 // x: [T, hidden] embeddings of T decode tokens (one per sequence) -> (hidden, residual) after the last layer,
 // before the final norm (the model's own RMSNorm adds them).
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(const DecodePlan& plan, torch::Tensor x, torch::Tensor cos,
-                                                       torch::Tensor sin, torch::Tensor slots,
+                                                       torch::Tensor sin, torch::Tensor cos_local,
+                                                       torch::Tensor sin_local, torch::Tensor slots,
                                                        torch::Tensor block_tables, torch::Tensor context_lens) {
   const int64_t T = x.size(0), H = plan.heads, KVH = plan.kv_heads;
+  const double eps = plan.eps;
   c10::optional<torch::Tensor> residual;
   torch::Tensor h;
   for (const PlanLayer& l : plan.layers) {
-    std::tie(h, x) = add_rms_norm(x, residual, l.input_norm, plan.eps);
+    std::tie(h, x) = add_rms_norm(x, residual, l.input_norm, eps);
     residual = x;
-    const torch::Tensor qkv = l.qkv(h);
-    const auto qk = rotary_kv_write(qkv, cos, sin, l.k_cache, l.v_cache, slots, H, KVH);
+    torch::Tensor qkv = l.qkv(h);
+    if (l.q_norm.defined()) qkv = qk_norm(qkv, l, H, KVH, eps);
+    const auto qk = rotary_kv_write(qkv, l.local ? cos_local : cos, l.local ? sin_local : sin, l.k_cache,
+                                    l.v_cache, slots, H, KVH);
     const torch::Tensor o = paged_decode_attention(std::get<0>(qk), l.k_cache, l.v_cache, block_tables,
                                                    context_lens, plan.scale);
-    std::tie(h, x) = add_rms_norm(l.o(o.view({T, -1})), residual, l.post_norm, plan.eps);
-    residual = x;
-    x = l.down(silu_mul(l.gate_up(h)));
+    const torch::Tensor attn = l.o(o.view({T, -1}));
+    if (l.post_attn_norm.defined()) {  // Gemma3DecoderLayer.forward
+      std::tie(h, x) = add_rms_norm(rms_norm(attn, l.post_attn_norm, eps), residual, l.post_norm, eps);
+      residual = x;
+      x = rms_norm(l.down(activation(l.gate_up(h), plan.gelu)), l.post_ff_norm, eps);
+    } else {  // LlamaDecoderLayer.forward
+      std::tie(h, x) = add_rms_norm(attn, residual, l.post_norm, eps);
+      residual = x;
+      x = l.down(activation(l.gate_up(h), plan.gelu));
+    }
   }
   return {x, *residual};
 }

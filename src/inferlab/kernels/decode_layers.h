@@ -32,17 +32,28 @@ struct PlanLinear {
   }
 };
 
+// A layer's options, each left undefined (false) where the family's layer does not have it:
+//   q_norm, k_norm   Qwen3's and Gemma 3's RMSNorm over each Q and K head before rotary (models/qwen3.py)
+//   post_attn_norm, post_ff_norm   Gemma 3's "sandwich": the attention's and the MLP's outputs are normed before
+//                    the residual add; post_norm is then the norm before the MLP (models/gemma3.py)
+//   local            the layer rotates with the second rotary table (Gemma 3's sliding-window layers)
 struct PlanLayer {
   torch::Tensor input_norm, post_norm, k_cache, v_cache;
   PlanLinear qkv, o, gate_up, down;
+  torch::Tensor q_norm, k_norm, post_attn_norm, post_ff_norm;
+  bool local = false;
 };
 
+// gelu: the MLP's activation is GELU (tanh approximation, Gemma 3) instead of SiLU.
 struct DecodePlan {
   std::vector<PlanLayer> layers;
   double eps = 1e-5, scale = 1.0;
   int64_t heads = 0, kv_heads = 0;
+  bool gelu = false;
 };
 
+// cos_local, sin_local: the second rotary table, for layers marked local (pass cos, sin again where none is).
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(const DecodePlan& plan, torch::Tensor x, torch::Tensor cos,
-                                                       torch::Tensor sin, torch::Tensor slots,
+                                                       torch::Tensor sin, torch::Tensor cos_local,
+                                                       torch::Tensor sin_local, torch::Tensor slots,
                                                        torch::Tensor block_tables, torch::Tensor context_lens);

@@ -12,9 +12,10 @@
 - A GELU (tanh approximation) gated MLP, embeddings scaled by sqrt(hidden) in the model's dtype (as transformers
   does: bf16 rounds sqrt(640) = 25.30 to 25.25), and an optional final logit soft-cap.
 
-Decode runs the Python layers: kernels/decode_layers.cpp implements Llama's layer (two norms, SiLU, one rotary
-table, no window), and teaching it Gemma's would be a third of that file again for a model whose decode step is
-dominated by the 262k x 640 LM head, which runs in the same kernels either way (see build_decode_plan).
+Decode steps whose every context fits the window run all layers in one C++ call (kernels/decode_layers.cpp, built
+by LlamaModel.build_decode_plan): each layer sets its sandwich norms and the attention its QK-norm and rotary table
+on its PlanLayer, and the plan's activation is GELU. Longer contexts run the Python layers (the C++ attention
+attends to the whole context).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inferlab.kernels import cpu_kernels
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
 from inferlab.layers.rotary import RotaryEmbedding
 from inferlab.models.config import ModelConfig
-from inferlab.models.llama import LlamaForCausalLM, LlamaMLP
+from inferlab.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from inferlab.models.qwen3 import Qwen3Attention
 
 
@@ -39,8 +41,14 @@ class Gemma3Attention(Qwen3Attention):
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
         self.attn.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
 
+    def plan_options(self, p) -> None:
+        super().plan_options(p)
+        p.local = self.is_sliding
+
 
 class Gemma3MLP(LlamaMLP):
+    gelu = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -65,17 +73,26 @@ class Gemma3DecoderLayer(nn.Module):
         h, _ = self.post_feedforward_layernorm(self.mlp(h))
         return h, residual
 
+    def plan_norms(self, p) -> None:
+        p.input_norm = self.input_layernorm.weight.detach()
+        p.post_attn_norm = self.post_attention_layernorm.weight.detach()
+        p.post_norm = self.pre_feedforward_layernorm.weight.detach()  # the norm before the MLP, as in Llama's plan
+        p.post_ff_norm = self.post_feedforward_layernorm.weight.detach()
 
-class Gemma3Model(nn.Module):
+
+class Gemma3Model(LlamaModel):
+    """Llama's decode plan (build_decode_plan, plan_applies) over Gemma's layers."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        nn.Module.__init__(self)
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_scale = cfg.hidden_size**0.5
+        self.sliding_window = cfg.sliding_window  # the local layers' (plan_applies)
         self.init_rotary()
-        self.decode_plan = None  # never built: see build_decode_plan
+        self.decode_plan = None  # see build_decode_plan
         self.decode_plan_max_tokens = 0
 
     def init_rotary(self, device: torch.device | None = None) -> None:
@@ -90,18 +107,17 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.embed_scale).to(x.dtype)  # fp32 first, as transformers rounds it
         rotary = {False: self.rotary.cos_sin(positions, x.dtype), True: self.rotary_local.cos_sin(positions, x.dtype)}
-        residual = None
-        for layer in self.layers[:num_layers]:
-            cos, sin = rotary[layer.self_attn.is_sliding]
-            x, residual = layer(x, residual, cos, sin, meta)
+        if self.plan_applies(x, meta, num_layers):
+            g = meta.decode
+            x, residual = cpu_kernels().decode_layers(self.decode_plan, x, *rotary[False], *rotary[True],
+                                                      meta.slot_mapping, g.block_tables, g.context_lens)
+        else:
+            residual = None
+            for layer in self.layers[:num_layers]:
+                cos, sin = rotary[layer.self_attn.is_sliding]
+                x, residual = layer(x, residual, cos, sin, meta)
         x, _ = self.norm(x, residual)
         return x
-
-    def build_decode_plan(self) -> bool:
-        """kernels/decode_layers.cpp computes Llama's layer, not Gemma's (four norms, GELU, two rotary tables,
-        windowed layers): the Python layers run decode (see the module's docstring)."""
-        self.decode_plan, self.decode_plan_max_tokens = None, 0
-        return False
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

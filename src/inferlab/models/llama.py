@@ -13,9 +13,10 @@ A change to the layers' kernel path must be made on both sides.
 
 The same classes serve the families whose layers are Llama's with options from the config: Qwen2 (biases on the
 Q/K/V projection) and Mistral (a sliding attention window, applied by PagedAttention); Qwen3 adds its QK-norm in
-models/qwen3.py. The C++ plan implements none of these options: where a layer has one, build_decode_plan declines
-(a windowed model keeps it for steps whose every context fits the window), and the Python layers run decode.
-Gemma 3 has layers of its own (models/gemma3.py) on the same attention, norms and kernels, and no plan.
+models/qwen3.py. Gemma 3 has layers of its own (models/gemma3.py) on the same attention, norms and kernels. The
+C++ plan takes QK-norm and Gemma 3's layer (each layer and attention sets its options on its PlanLayer:
+plan_norms, plan_options); it has no bias, so Qwen2 decodes through the Python layers, and a windowed model uses
+it for steps whose every context fits the window.
 """
 
 from __future__ import annotations
@@ -33,9 +34,6 @@ from inferlab.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    # Whether kernels/decode_layers.cpp computes this attention (with a bias-free qkv_proj and no window).
-    decode_plan_ok = True
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -48,6 +46,9 @@ class LlamaAttention(nn.Module):
     def project_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] -> [T, q_size + 2 * kv_size], Q/K before rotary (Qwen3 normalises them here)."""
         return self.qkv_proj(x)
+
+    def plan_options(self, p) -> None:
+        """Set the options of this attention on its kernels.PlanLayer (Llama's has none)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -68,6 +69,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    gelu = False  # the decode plan's activation: SiLU here, GELU-tanh for Gemma 3's MLP
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -97,6 +100,11 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def plan_norms(self, p) -> None:
+        """Set this layer's norms on its kernels.PlanLayer: before attention and before the MLP."""
+        p.input_norm = self.input_layernorm.weight.detach()
+        p.post_norm = self.post_attention_layernorm.weight.detach()
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, attention: type[LlamaAttention] = LlamaAttention):
@@ -112,12 +120,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, meta, num_layers: int | None = None):
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        g = meta.decode
-        if (self.decode_plan is not None and num_layers is None and meta.extend is None and g is not None
-                and x.shape[0] == meta.num_decode_tokens == meta.slot_mapping.shape[0] <= self.decode_plan_max_tokens
-                and g.context_lens is not None
-                and (self.sliding_window is None or int(g.context_lens.max()) <= self.sliding_window)):
-            x, residual = cpu_kernels().decode_layers(self.decode_plan, x, cos, sin, meta.slot_mapping,
+        if self.plan_applies(x, meta, num_layers):
+            g = meta.decode
+            x, residual = cpu_kernels().decode_layers(self.decode_plan, x, cos, sin, cos, sin, meta.slot_mapping,
                                                       g.block_tables, g.context_lens)
         else:
             residual = None
@@ -125,6 +130,15 @@ class LlamaModel(nn.Module):
                 x, residual = layer(x, residual, cos, sin, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def plan_applies(self, x: torch.Tensor, meta: AttentionMetadata, num_layers: int | None) -> bool:
+        """Whether the decode plan runs this step: all layers, decodes only, within the projections' kernels, and
+        every context within the sliding window (the C++ attention attends to the whole context)."""
+        g = meta.decode
+        return (self.decode_plan is not None and num_layers is None and meta.extend is None and g is not None
+                and x.shape[0] == meta.num_decode_tokens == meta.slot_mapping.shape[0] <= self.decode_plan_max_tokens
+                and g.context_lens is not None
+                and (self.sliding_window is None or int(g.context_lens.max()) <= self.sliding_window))
 
     def build_decode_plan(self) -> bool:
         """Prepare the one-call path for decode-only steps (see the module's docstring). It applies where every
@@ -143,7 +157,7 @@ class LlamaModel(nn.Module):
         layers, max_tokens = [], 1 << 62
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
-            if not a.decode_plan_ok or getattr(a.qkv_proj, "bias", None) is not None:
+            if getattr(a.qkv_proj, "bias", None) is not None:  # Qwen2: the plan has no bias
                 return False
             projs = [m.plan_linear() if isinstance(m, KernelLinear) else None
                      for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -153,8 +167,8 @@ class LlamaModel(nn.Module):
                 if p.packed is None:
                     max_tokens = min(max_tokens, p.kernel_max_tokens)
             p = kernels.PlanLayer()
-            p.input_norm = layer.input_layernorm.weight.detach()
-            p.post_norm = layer.post_attention_layernorm.weight.detach()
+            layer.plan_norms(p)
+            a.plan_options(p)
             p.k_cache, p.v_cache = a.attn.k_cache, a.attn.v_cache
             p.qkv, p.o, p.gate_up, p.down = projs
             layers.append(p)
@@ -163,6 +177,7 @@ class LlamaModel(nn.Module):
         plan.eps = self.layers[0].input_layernorm.eps
         plan.scale = first.self_attn.attn.scale
         plan.heads, plan.kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
+        plan.gelu = first.mlp.gelu
         self.decode_plan, self.decode_plan_max_tokens = plan, max_tokens
         return True
 

@@ -11,8 +11,6 @@ from inferlab.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    decode_plan_ok = False  # kernels/decode_layers.cpp has no QK-norm
-
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -25,6 +23,9 @@ class Qwen3Attention(LlamaAttention):
         q, _ = self.q_norm(qkv[:, :self.q_size].reshape(-1, d))
         k, _ = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(-1, d))
         return torch.cat([q.view(T, -1), k.view(T, -1), qkv[:, self.q_size + self.kv_size:]], dim=1)
+
+    def plan_options(self, p) -> None:
+        p.q_norm, p.k_norm = self.q_norm.weight.detach(), self.k_norm.weight.detach()
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
