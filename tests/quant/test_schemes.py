@@ -97,10 +97,12 @@ def test_forward_equals_dequantized_matmul(dtype, tokens, packed):
         # The kernels see bf16 activations and return bf16 (about 3 significant digits): compare against the
         # output's scale; a wrong nibble or scale would be off by a whole quantization step (>> 2%).
         err = (y.double() - ref).abs().max() / ref.abs().max()
-        # fp32 through the int8 kernel, or with no kernel at all, is fp32 arithmetic on the same values.
-        exact_ish = dtype == torch.float32 and (layer.scheme == "int8" or not layer.kernel_available()) and not (
-            packed and tokens > 4)
-        assert err < (1e-5 if exact_ish else 0.02), (layer, err)
+        # fp32 with no kernel at all is fp32 arithmetic on the same values; the int8 kernel rounds fp32 activations
+        # to 15 bits per token (gemv.cpp): each off by up to half of 1/16383 of the row's largest, ~1e-4 of the
+        # output's scale here.
+        exact = dtype == torch.float32 and not layer.kernel_available() and not (packed and tokens > 4)
+        int8_kernel = dtype == torch.float32 and layer.scheme == "int8" and not (packed and tokens > 4)
+        assert err < (1e-5 if exact else 5e-4 if int8_kernel else 0.02), (layer, err)
 
 
 def test_kernel_and_dense_paths_agree():
