@@ -91,6 +91,34 @@ def test_raw_gguf_weights_take_the_direct_path():
         assert torch.equal(net.get_submodule(name).dequantize(), r), name
 
 
+def test_int4_keeps_the_layers_a_gguf_file_holds_wider_at_int8():
+    # A Q4_K_M mixes widths: its Q5_0/Q6_K layers stay int8 under --quantization int4, its 4-bit ones become int4.
+    net = tiny_model()
+    raw = {}
+    for name, m in net.named_modules():
+        if isinstance(m, nn.Linear) and name != "lm_head":
+            ggml = GGMLQuantizationType.Q5_0 if name.endswith("down_proj") else GGMLQuantizationType.Q4_1
+            raw[name] = RawGGUFWeight(ggml.name, quantize(m.weight.numpy(), ggml), tuple(m.weight.shape))
+    wide = {n for n, r in raw.items() if r.ggml_type == "Q5_0"}
+    desc = quantize_model(net, "int4", 32, raw=raw, keep_int8=wide)
+    assert "2 linear layers requantized from GGUF Q5_0, kept at int8 (the file holds it in more than 4 bits)" in desc
+    for name in raw:
+        assert isinstance(net.get_submodule(name), Int8Linear if name in wide else Int4Linear), name
+    assert logits(net, IDS).isfinite().all()
+
+
+@pytest.mark.slow
+def test_the_loader_marks_the_layers_a_gguf_file_holds_in_more_than_4_bits():
+    from inferlab.common.bundled import gemma3_model_path
+    from inferlab.models.config import read_model_config
+    from inferlab.models.loader import _load_gguf
+
+    path = gemma3_model_path()  # Q4_K_M: Q4_K layers beside Q5_0 and Q6_K ones
+    _, raw, wide = _load_gguf(path, read_model_config(path), keep_raw=True)
+    assert wide and all(raw[n].ggml_type != "Q4_K" for n in wide if n in raw)
+    assert any(r.ggml_type == "Q4_K" for n, r in raw.items() if n not in wide)
+
+
 def test_none_changes_nothing_and_bad_input_is_refused():
     net = tiny_model()
     assert quantize_model(net, "none", 32) == "none (float weights)"

@@ -18,7 +18,7 @@ from inferlab.layers.rotary import RotaryEmbedding
 from inferlab.models.config import ModelConfig, open_gguf, read_model_config, resolve_model_path
 from inferlab.models.families import model_class
 from inferlab.models.llama import LlamaForCausalLM
-from inferlab.quant import RawGGUFWeight, quantize_model
+from inferlab.quant import WIDE_GGUF_TYPES, RawGGUFWeight, quantize_model
 
 
 @dataclass(slots=True)
@@ -37,7 +37,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, cfg: ModelConfig,
-               keep_raw: bool) -> tuple[dict[str, torch.Tensor], dict[str, RawGGUFWeight]]:
+               keep_raw: bool) -> tuple[dict[str, torch.Tensor], dict[str, RawGGUFWeight], set[str]]:
     """The float state dict, and (keep_raw) each linear weight as the file stores it, keyed by the nn.Linear's
     qualified name (for quantized loading without a dequantize-requantize round trip)."""
     from gguf.quants import dequantize
@@ -55,6 +55,7 @@ def _load_gguf(path: Path, cfg: ModelConfig,
 
     sd: dict[str, torch.Tensor] = {}
     raw: dict[str, RawGGUFWeight] = {}
+    wide: set[str] = set()  # Linears the file stores (in part) in more than 4 bits
 
     def fused(dst: str, parts: list[tuple[str, int | None]]) -> None:
         """parts: (gguf name, heads to un-permute by or None). Rows are concatenated in order."""
@@ -62,6 +63,8 @@ def _load_gguf(path: Path, cfg: ModelConfig,
         sd[dst + ".weight"] = torch.from_numpy(np.concatenate(mats, axis=0))
         if keep_raw:
             types = {tensors[n].tensor_type.name for n, _ in parts}
+            if types & WIDE_GGUF_TYPES:
+                wide.add(dst)
             if len(types) == 1:
                 rows = [_unpermute(raw_rows(n), h) if h else raw_rows(n) for n, h in parts]
                 data = np.ascontiguousarray(np.concatenate(rows, axis=0))
@@ -105,7 +108,7 @@ def _load_gguf(path: Path, cfg: ModelConfig,
         fused(p + "self_attn.o_proj", [(b + "attn_output.weight", None)])
         fused(p + "mlp.gate_up_proj", [(b + "ffn_gate.weight", None), (b + "ffn_up.weight", None)])
         fused(p + "mlp.down_proj", [(b + "ffn_down.weight", None)])
-    return sd, raw
+    return sd, raw, wide
 
 
 def _load_hf(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -160,9 +163,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     path = resolve_model_path(model)
     cfg = read_model_config(path)
     if path.is_file():
-        sd, raw = _load_gguf(path, cfg, keep_raw=quantization != "none")
+        sd, raw, wide = _load_gguf(path, cfg, keep_raw=quantization != "none")
     else:
-        sd, raw = _load_hf(path, cfg), {}
+        sd, raw, wide = _load_hf(path, cfg), {}, set()
     with torch.device("meta"), _skip_init_fills():
         net = model_class(cfg)(cfg)
     # The converted tensors become the parameters (assign=True): no second copy of the model to copy them into, and
@@ -189,7 +192,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: torch.devic
     net.requires_grad_(False)
     loaded = LoadedModel(net, cfg, path)
     if quantization != "none":
-        loaded.quant_path = quantize_model(net, quantization, quant_group_size, raw=raw)
+        loaded.quant_path = quantize_model(net, quantization, quant_group_size, raw=raw, keep_int8=wide)
     loaded.load_seconds = time.perf_counter() - t0
     return loaded
 

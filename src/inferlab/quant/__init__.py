@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
@@ -25,11 +25,17 @@ SCHEMES = ("none", "int8", "int4")
 # (+0.2%), int4 layers + int4 head 11.240 (+5.9%): the 4-bit head costs 30x more than all 4-bit layers together.
 HEAD_SCHEME = {"int8": "int8", "int4": "int8"}
 
+# GGUF types that hold a weight in more than 4 bits. A quantized file that mixes widths (a Q4_K_M keeps some layers
+# Q5_0 or Q6_K) kept those wide on purpose, and --quantization int4 keeps them at int8 instead of cutting them to 4
+# bits: requantizing Gemma 3 270M's Q5_0/Q6_K layers to int4 cost +29% corpus perplexity (inferlab eval, measured).
+# Float files are quantized as asked.
+WIDE_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
+
 # Without a packed copy, the LM head's kernel stays ahead of dequantize + bf16 matmul up to ~24 tokens (dequantizing
 # the 49152x576 head writes a 56 MB temporary that no cache holds), further than the layers' (measured).
 HEAD_MAX_KERNEL_TOKENS = 24
 
-__all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "Int4Linear", "Int8Linear", "QuantEmbedding",
+__all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "WIDE_GGUF_TYPES", "Int4Linear", "Int8Linear", "QuantEmbedding",
            "QuantLinear", "RawGGUFWeight", "quantize_model", "quantize_weight"]
 
 
@@ -53,11 +59,13 @@ def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
-                   raw: Mapping[str, RawGGUFWeight] | None = None, head_scheme: str | None = None) -> str:
+                   raw: Mapping[str, RawGGUFWeight] | None = None, head_scheme: str | None = None,
+                   keep_int8: Collection[str] = ()) -> str:
     """Replace every nn.Linear(bias=False) of `model` with a QuantLinear, in place, and say what was done.
 
     raw: GGUF weights keyed by the Linear's qualified name ("model.layers.0.self_attn.qkv_proj", "lm_head").
     head_scheme: the tied LM head's scheme (default HEAD_SCHEME[scheme]).
+    keep_int8: Linears that int4 keeps at int8 (a GGUF file stores them in more than 4 bits: WIDE_GGUF_TYPES).
     Quantize after any `model.to(device, dtype)`: the quantized layers keep their own dtypes.
     """
     if scheme not in SCHEMES:
@@ -87,7 +95,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
     head_note = ""
     for name, lin in linears:
         tied_to = embeddings.get(id(lin.weight))
-        s = head_scheme if tied_to is not None else scheme
+        s = head_scheme if tied_to is not None else "int8" if scheme == "int4" and name in keep_int8 else scheme
         q, how = quantize_weight(lin.weight.detach(), s, group_size, raw.get(name))
         q.to(lin.weight.device)
         _replace(model, name, q)
@@ -97,7 +105,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
             _replace(model, tied_to, QuantEmbedding(q, lin.weight.dtype))
             head_note = f"; {name} (tied to {tied_to}, which now reads its rows from it): {s}, {how}"
         else:
-            layers[how] += 1
+            layers[how if s == scheme else f"{how}, kept at {s} (the file holds it in more than 4 bits)"] += 1
     g = f" group {group_size}" if scheme == "int4" else " per-channel"
     body = ", ".join(f"{n} linear layers {how}" for how, n in layers.items())
     return (f"{scheme}{g}: {body}{head_note}; linear weights {float_bytes / 2**20:.1f} MiB -> "
