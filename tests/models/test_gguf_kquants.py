@@ -141,3 +141,21 @@ def test_int8_requantizes_kquant_weights(kquant_file):
     loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="int8")
     for t in ("Q4_K", "Q5_K", "Q6_K"):
         assert f"requantized from GGUF {t}" in loaded.quant_path
+
+
+def test_int4_takes_q4_k_groups_as_they_are():
+    """Under int4 a Q4_K weight keeps each group's q; d * sc and -dmin * m become fp16, so every weight is within
+    fp16's rounding of those two (2^-11 of each, relative) of gguf's own dequantization."""
+    from inferlab.quant import quantize_weight
+    from inferlab.quant.gguf_q4 import RawGGUFWeight
+
+    blocks = kquant_blocks(T.Q4_K, 16, 512, np.random.default_rng(3))
+    ref = torch.from_numpy(dequantize(blocks, T.Q4_K).astype(np.float32)).reshape(16, 512)
+    layer, how = quantize_weight(None, "int4", 32, RawGGUFWeight("Q4_K", blocks, (16, 512)))
+    assert how.startswith("GGUF Q4_K groups loaded directly")
+    d, m = layer.d.float().repeat_interleave(32, 1), layer.m.float().repeat_interleave(32, 1)
+    bound = 2.0 ** -11 * (15 * d.abs() + m.abs()) + 1e-7
+    assert ((layer.dequantize().float() - ref).abs() <= bound).all()
+    # Requantizing the same floats refits each group's grid: several times further off somewhere.
+    refit, _ = quantize_weight(ref, "int4", 32)
+    assert (refit.dequantize().float() - ref).abs().max() > 4 * (layer.dequantize().float() - ref).abs().max()
