@@ -9,13 +9,13 @@ thread fewer per region degrades in proportion to the CPU lost instead.
 The signal is the step time itself, relative to what a step of the same size (tokens, bucketed by powers of two)
 took at the full thread count: it measures exactly what users feel, and compares thread counts on the machine as it
 is now. Two steps in a row four times slower ("stall") step down at once; a median 1.8x slower ("slow") steps down
-only where another process held a core or a CPU quota throttled us meanwhile (engine/cpu_contention.py): on a
-quiet machine the host's own noise made steps that slow for a moment, and 3 of 8 quiet peers.py runs of one
-server fell back to one thread for seconds or for good (measured), where fewer threads could not help. A server started beside a busy neighbour never sees a quiet step, so before the model loads it reads
-what other processes use (engine/cpu_contention.py) and starts with fewer threads when they hold a core
-("contended"). The way back is measured: after a hold time the engine probes one level up; a probe that stalls
-ends at once and doubles the hold (2 s to 64 s), so probing a busy machine costs a step or so per minute, and a
-probe that runs faster than the fallback stays.
+only where another process competed for our cores or a CPU quota throttled us meanwhile (engine/cpu_contention.py):
+on a quiet machine the host's own noise made steps that slow for a moment, and 3 of 8 quiet peers.py servers fell
+back to one thread for seconds or for good (measured), where fewer threads could not help. A server started beside a
+busy neighbour never sees a quiet step, so before the model loads it reads what other processes use and starts with
+fewer threads when they hold a core ("contended"). The way back is measured: after a hold time the engine probes one
+level up; a probe that stalls ends at once and doubles the hold (2 s to 64 s), so probing a busy machine costs a
+step or so per minute, and a probe that runs faster than the fallback stays.
 
 Our threads' wait for a CPU (schedstat run_delay) was tried as a running signal and dropped: on a quiet machine the
 server's own event loop and the bench client made two threads wait 27-43% of the time, as a neighbour would, and

@@ -36,8 +36,8 @@ WIDE_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8
 # the 49152x576 head writes a 56 MB temporary that no cache holds), further than the layers' (measured).
 HEAD_MAX_KERNEL_TOKENS = 24
 
-__all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "WIDE_GGUF_TYPES", "Int4Linear", "Int8Linear", "QuantEmbedding",
-           "QuantLinear", "RawGGUFWeight", "quantize_model", "quantize_weight"]
+__all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "WIDE_GGUF_TYPES", "Int4Linear", "Int8Linear",
+           "QuantEmbedding", "QuantLinear", "RawGGUFWeight", "quantize_model", "quantize_weight"]
 
 
 def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
