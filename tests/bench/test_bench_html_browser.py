@@ -91,6 +91,17 @@ def test_axes_cover_their_data():
         assert t[0] <= lo and t[-1] >= hi and len(t) >= 2
 
 
+def test_a_zero_length_span_is_drawn_a_pixel_long():
+    # A request whose tokens all came in one read has a decode phase of 0 s: its mark must still be visible
+    # (the browser test saw 40 of 41 marks laid out on a busy machine).
+    from inferlab.bench.html_report import Chart
+
+    svg = Chart("requests over time", "t", "request", spans=[(0.0, 0.0, 1, "#000"), (0.5, 0.5, 2, "#000"),
+                                                             (1.0, 1.0, 3, "#000")]).render()
+    lines = re.findall(r'<line class="data" x1="([\d.]+)" y1="[\d.]+" x2="([\d.]+)"', svg)
+    assert len(lines) == 3 and all(float(b) - float(a) >= 0.99 for a, b in lines)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium; `make install` "
                                              "does it where apt-get exists): the browser check of report.html needs it")
 def test_report_renders_every_chart_in_chromium(fake, bench, tmp_path):

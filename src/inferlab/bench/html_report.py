@@ -132,7 +132,10 @@ class Chart:
         out.append(f'<text x="14" y="{mt + ph / 2}" text-anchor="middle" transform="rotate(-90 14 {mt + ph / 2})">'
                    f'{html.escape(self.ylabel)}</text>')
         for a, b, y, color in self.spans:
-            out.append(f'<line class="data" x1="{px(a):.1f}" y1="{py(y):.1f}" x2="{px(max(b, a)):.1f}" '
+            xa, xb = px(a), px(max(b, a))
+            if xb - xa < 1:  # a phase shorter than a pixel (every token in one read) still shows, a pixel long
+                xa, xb = (xb - 1, xb) if xb - 1 >= ML else (xa, xa + 1)
+            out.append(f'<line class="data" x1="{xa:.1f}" y1="{py(y):.1f}" x2="{xb:.1f}" '
                        f'y2="{py(y):.1f}" stroke="{color}" stroke-width="{self.span_width:.1f}"/>')
         for x, label in self.vlines:
             out.append(f'<line x1="{px(x):.1f}" y1="{mt}" x2="{px(x):.1f}" y2="{mt + ph}" stroke="#2ca02c" '
