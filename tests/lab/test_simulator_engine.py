@@ -9,16 +9,18 @@ import numpy as np
 
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.sampling_params import SamplingParams
+from inferlab.engine.step_trace import read_step_trace
 from inferlab.lab.simulator import EngineShape, SimRequest, Simulation
 from inferlab.lab.step_cost import StepCost
 
 
-def test_engine_and_simulator_take_the_same_steps():
+def test_engine_and_simulator_take_the_same_steps(tmp_path):
     from inferlab.engine.llm_engine import LLMEngine
 
     per_block = 2 * 30 * 3 * 64 * 4 * 16  # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32, 16-token blocks
     cfg = EngineConfig(dtype="float32", max_num_seqs=3, max_num_batched_tokens=48, block_size=16,
-                       kv_cache_memory=11 * per_block, max_prefill_tokens_with_decodes=24, num_threads=1)
+                       kv_cache_memory=11 * per_block, max_prefill_tokens_with_decodes=24, num_threads=1,
+                       step_trace=str(tmp_path / "steps.jsonl"))
     engine = LLMEngine(cfg)
     assert engine.block_manager.num_blocks == 11
     rng = np.random.default_rng(0)
@@ -54,3 +56,17 @@ def test_engine_and_simulator_take_the_same_steps():
     run = Simulation(StepCost(intercept=1.0), shape, record_steps=True).run(reqs)
     assert [(s.request_ids, s.num_new_tokens) for s in run.steps] == [s for s in steps if s[0]]
     assert [s.start for s in run.steps] == list(range(len(run.steps)))  # never idle: step k is the engine's k-th
+
+    # The step trace (what `simulate calibrate served` fits) has a row for every step that ran a batch, carrying
+    # that batch: its sequences' new tokens split into decodes and multi-token chunks, in order, each after the last.
+    engine.step_trace.close()
+    header, rows = read_step_trace(tmp_path / "steps.jsonl")
+    assert header["num_blocks"] == 11 and header["max_prefill_tokens_with_decodes"] == 24
+    ran = [s for s in steps if s[0]]
+    assert len(rows) == len(ran)
+    for row, (ids, new) in zip(rows, ran):
+        assert row["d"] + len(row["p"]) == len(ids)
+        assert row["d"] + sum(n for _, n, _ in row["p"]) == sum(new)
+        assert sorted(n for _, n, _ in row["p"]) == sorted(n for n in new if n > 1)
+    assert all(a["t"] + a["dt"] <= b["t"] for a, b in zip(rows, rows[1:])) and all(r["dt"] > 0 for r in rows)
+    assert all(r["busy"] for r in rows[:-1]) and not rows[-1]["busy"]  # stepped back to back until it ran dry

@@ -57,6 +57,9 @@ class EngineConfig:
         "CPU bf16: keep a packed bf16 copy of each weight (dequantized for int8/int4) for steps of many tokens "
         "(faster, more memory)"))
     num_threads: int | None = field(default=None, metadata=_flag("torch intra-op threads (default: torch's)"))
+    step_trace: str | None = field(default=None, metadata=_flag(
+        "write one JSON line per engine step (its batch, start and duration) to this file, for `inferlab simulate "
+        "calibrate served`; a disaggregated server writes one file per worker (FILE.prefill0, FILE.decode0)"))
     seed: int = field(default=0, metadata=_flag(
         "seed of the random stream shared by requests that set no seed of their own (as vLLM's --seed)"))
 

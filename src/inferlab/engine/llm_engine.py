@@ -24,6 +24,7 @@ from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
 from inferlab.engine.sequence import Sequence
+from inferlab.engine.step_trace import BatchShape, StepTrace
 from inferlab.engine.structured_output import StructuredOutput
 from inferlab.models.loader import load_model, load_tokenizer
 from inferlab.spec import StepContext, make_proposer
@@ -102,6 +103,12 @@ class LLMEngine:
         self.proposer = make_proposer(config, self.runner, self.tokenizer)  # None unless --speculative
         self.stats_counters = EngineStats()
         self.last_step_time = 0.0
+        self.step_trace = None if config.step_trace is None else StepTrace(config.step_trace, {
+            "model": self.model_name, "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_bytes_per_token": cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()),
+            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_prefill_tokens_with_decodes": config.max_prefill_tokens_with_decodes, "block_size": bs,
+            "num_blocks": num_blocks, "enable_prefix_caching": config.enable_prefix_caching})
         if self.device.type == "cpu":
             # Loading freed hundreds of MiB (dequantized float32 weights, conversions) that glibc would keep.
             release_free_heap()
@@ -195,11 +202,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         batch = self.scheduler.schedule()
+        shape = BatchShape.of(batch) if batch and self.step_trace is not None else None
         if batch:
             outputs += self._run(batch)
         dt = time.perf_counter() - t0
         if batch and self.cpu_threads is not None:
             self.cpu_threads.observe(batch.num_tokens, dt)
+        if shape is not None:
+            self.step_trace.record(t0, dt, shape, self.has_work())
         self.last_step_time = dt
         self.stats_counters.num_steps_total += 1
         self.stats_counters.step_time_seconds_total += dt

@@ -91,7 +91,9 @@ class DisaggEngine:
         try:
             for role, core in zip(Role, cores):
                 here, there = ctx.Pipe()
-                p = ctx.Process(target=run_worker, args=(role, worker_config, there, self._buffer.name, core),
+                cfg = worker_config if config.step_trace is None else \
+                    EngineConfig(**{**worker_config.to_dict(), "step_trace": f"{config.step_trace}.{role.value}0"})
+                p = ctx.Process(target=run_worker, args=(role, cfg, there, self._buffer.name, core),
                                 name=f"inferlab-{role.value}", daemon=True)
                 p.start()
                 there.close()
