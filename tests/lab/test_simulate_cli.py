@@ -169,3 +169,30 @@ def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"timestamp": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: needs JSON with timestamp, input_len and output_len"):
         trace_requests(tmp_path / "bad.jsonl")
+
+
+def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
+    """validate against a real server (`inferlab fake-server`, 10 ms to the first token, 2 ms a token): each rate is
+    a fresh draw (seed + i), so no point finds its prompts in the server's prefix cache from an earlier one, and the
+    simulation of each point draws what bench sent."""
+    import sys
+
+    import yaml
+
+    card, profile, _ = setup
+    d = yaml.safe_load(card.read_text())
+    d["server"] = {"kind": "command", "ready_timeout": "120s",
+                   "command": f"{sys.executable} -m inferlab fake-server --port {{port}} --ttft 10ms --itl 2ms"}
+    card.write_text(yaml.safe_dump(d))
+    out = tmp_path / "val.json"
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "4,8", "--requests", "6",
+                 "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [p["seed"] for p in points] == [3, 4]
+    prompts = []
+    for p in points:
+        results = json.loads(open(p["results"]).read())
+        assert results["provenance"]["seed"] == p["seed"]
+        assert next(m for m in p["metrics"] if m["metric"] == "ttft p50")["measured"] >= 0.010
+        prompts.append(results["runs"][0]["tokens"]["input"]["mean"])
+    assert prompts[0] != prompts[1]  # different draws

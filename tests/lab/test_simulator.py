@@ -45,6 +45,24 @@ def test_constant_cost_and_batch_one_is_md1():
     assert np.mean(waits < 1e-12) == pytest.approx(1 - rho, abs=0.01)
 
 
+def test_step_noise_draws_each_step_from_the_profiles_quantiles():
+    """A profile's step noise multiplies each step's cost by one of its ratios, drawn uniformly: with M/D/1's
+    S = 0.1 and ratios {0.5, 1.5}, every step lasts 0.05 or 0.15 s, about half each, and the queue becomes M/G/1,
+    whose mean wait is lambda E[S^2] / (2 (1 - rho)) (Pollaczek-Khinchine): 0.125 s here against M/D/1's 0.1."""
+    s, lam = 0.1, 5.0
+    reqs = poisson_requests(40_000, lam, seed=3, prompt=(4, 40), output=(1, 1))
+    cost = StepCost(intercept=s, step_noise=[0.5, 1.5])
+    run = Simulation(cost, EngineShape(max_num_seqs=1, max_queue=None), record_steps=True).run(reqs)
+    lengths = np.array([st.end - st.start for st in run.steps])
+    assert np.allclose(np.sort(np.unique(lengths.round(9))), [0.05, 0.15])
+    assert np.mean(lengths > 0.1) == pytest.approx(0.5, abs=0.01)
+    waits = np.array([o.first_token - o.arrival for o in run.outcomes]) - lengths
+    rho = lam * s
+    assert waits.mean() == pytest.approx(lam * np.mean(lengths ** 2) / (2 * (1 - rho)), rel=0.05)
+    again = Simulation(cost, EngineShape(max_num_seqs=1, max_queue=None), record_steps=True).run(reqs)
+    assert [st.end for st in again.steps] == [st.end for st in run.steps]  # repeatable
+
+
 def _little(run) -> tuple[float, float]:
     sojourn = [o.departure - o.arrival for o in run.outcomes]
     return run.mean_in_system, len(run.outcomes) / run.end_time * float(np.mean(sojourn))

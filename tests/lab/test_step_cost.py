@@ -18,13 +18,14 @@ from inferlab.engine.config import EngineConfig
 from inferlab.engine.outputs import RequestMetrics
 from inferlab.engine.scheduler import Scheduler
 from inferlab.engine.sequence import Sequence
-from inferlab.lab.calibrate import calibrate_blackbox, profile_engine
+from inferlab.engine.step_trace import BatchShape
+from inferlab.lab.calibrate import calibrate_blackbox, calibrate_served, profile_engine
 from inferlab.lab.simulator import EngineShape, SimRequest, Simulation
 from inferlab.lab.step_cost import (COEFFICIENTS, StepCost, StepFeatures, batch_features, fit_step_cost,
-                                    nonnegative_lstsq, with_coefficients)
+                                    nonnegative_lstsq, shape_features, with_coefficients)
 
-TRUE = StepCost(intercept=0.020, per_prefill_token=4e-4, per_decode_seq=1.5e-3, per_attended=3e-7,
-                per_sampled_row=5e-4)
+TRUE = StepCost(intercept=0.020, per_prefill_token=4e-4, per_decode_seq=1.5e-3, per_attended=1e-6,
+                per_sampled_row=5e-4, per_prefill_step=0.005)
 
 
 def test_nonnegative_lstsq_matches_brute_force():
@@ -82,7 +83,7 @@ def test_engine_profile_recovers_known_coefficients():
     assert len(times) > 100 and {"mixed", "prefill 16", "16 prompts of 2"} <= set(labels)
     coef, q = fit_step_cost(feats, times, fixed_zero=("request_overhead",))
     got = with_coefficients(coef)
-    for name in ("intercept", "per_prefill_token", "per_decode_seq", "per_attended"):
+    for name in ("intercept", "per_prefill_token", "per_decode_seq", "per_attended", "per_prefill_step"):
         assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
     # A sampled row is ~2% of a step here, less than the noise on one step: known to within a third.
     assert got.per_sampled_row == pytest.approx(TRUE.per_sampled_row, rel=0.3)
@@ -90,8 +91,9 @@ def test_engine_profile_recovers_known_coefficients():
     # A shared machine: 10% of steps stalled 3-20x. Best-of-3 passes and the robust refit still recover them.
     feats, times, _ = profile_engine(FakeEngine(TRUE, noise=0.03, seed=4, stalls=0.10), repeats=3, log=lambda m: None)
     coef, q = fit_step_cost(feats, times, robust=True)
-    for name, v in zip(COEFFICIENTS[:5], coef):
-        assert v == pytest.approx(getattr(TRUE, name), rel=0.3 if name == "per_sampled_row" else 0.15), name
+    for name, v in zip(COEFFICIENTS, coef):
+        if name not in ("request_overhead", "per_prefill_pair"):  # none offline; pairs ~0.1% of a prefill here
+            assert v == pytest.approx(getattr(TRUE, name), rel=0.3 if name == "per_sampled_row" else 0.15), name
     # Noise-free, the fit is exact.
     feats, times, _ = profile_engine(FakeEngine(TRUE, noise=0.0), repeats=1, log=lambda m: None)
     coef, q = fit_step_cost(feats, times)
@@ -171,6 +173,45 @@ def test_blackbox_calibration_recovers_known_coefficients(tmp_path):
     assert any("itl p50" in r["label"] for r in got.fit.rows) and any("throughput" in r["label"] for r in got.fit.rows)
 
 
+def test_served_calibration_recovers_known_coefficients(tmp_path):
+    """A step trace as `inferlab serve --step-trace` writes it, from a server whose step periods follow a known model
+    (with a prefill step's own fixed cost, 3% noise, a few stalled steps, idle spells): the fit recovers the model."""
+    true = StepCost(intercept=0.011, per_prefill_token=4.5e-4, per_decode_seq=1e-3, per_attended=1e-6,
+                    per_prefill_step=0.010)
+    rng = np.random.default_rng(3)
+    header = {"model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 100, "max_num_seqs": 8,
+              "max_num_batched_tokens": 512, "max_prefill_tokens_with_decodes": None, "block_size": 16,
+              "num_blocks": 999, "enable_prefix_caching": True}
+    rows, t = [], 0.0
+    for i in range(3000):
+        k = int(rng.integers(0, 9))
+        chunks = [] if k and rng.random() < 0.97 else [(0, int(rng.integers(16, 512)), True)]
+        shape = BatchShape(tuple(chunks), k, int(k * rng.integers(64, 600)))
+        period = true.time(shape_features(shape)) * float(rng.lognormal(0, 0.03))
+        if rng.random() < 0.01:
+            period *= rng.uniform(3, 10)  # another process stalled this step
+        busy = rng.random() > 0.05
+        rows.append({"t": t, "dt": period * 0.95, "busy": busy, **shape.to_json()})
+        t += period if busy else period + rng.uniform(0.1, 2.0)  # an idle spell: this row has no period
+    path = tmp_path / "steps.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"schema": "inferlab.step_trace/1", **header}, *rows]) + "\n")
+    got = calibrate_served([path], hardware={})
+    for c in ("intercept", "per_prefill_token", "per_decode_seq", "per_prefill_step"):
+        assert getattr(got, c) == pytest.approx(getattr(true, c), rel=0.1), c
+    assert 0.3 * true.per_attended < got.per_attended < 3 * true.per_attended
+    assert got.request_overhead == 0.0 and got.engine["num_blocks"] == 999 and got.source == "served step trace"
+    assert got.fit.n == sum(r["busy"] for r in rows[:-1]) and got.fit.outliers >= 20
+    # Stalls left out of the fit are kept in the step noise the simulator draws from: its mean reproduces the
+    # traced total time, its top quantile the stalls.
+    noise = np.array(got.step_noise)
+    assert len(noise) == 100 and (np.diff(noise) >= 0).all() and noise[-1] > 2.5
+    total = sum(r["measured"] for r in got.fit.rows) / sum(r["predicted"] for r in got.fit.rows)
+    assert noise.mean() == pytest.approx(total, rel=0.03)
+    (tmp_path / "other.jsonl").write_text('{"index": 0}\n')
+    with pytest.raises(ValueError, match="not a step trace"):
+        calibrate_served([tmp_path / "other.jsonl"], hardware={})
+
+
 def test_profile_file_round_trip_and_errors(tmp_path):
     c = StepCost(intercept=0.01, per_decode_seq=1e-3, source="engine profile", engine={"max_num_seqs": 4},
                  hardware={"name": "cpu", "bandwidth": 1e10, "flops": 1e12})
@@ -199,7 +240,7 @@ def test_scaling_to_other_hardware_follows_the_roofline_terms():
 
 
 def test_features_of_a_step():
-    """Prefill of 10 after 6 cached: 10 x (6 + 5.5) query-key pairs; a decode at 20 tokens attends 20."""
+    """A prefill of 20: 20 x 10.5 query-key pairs; then a decode at 21 tokens reads 21 keys."""
     bm = BlockManager(100, 4)
     sched = Scheduler(bm, 8, 64)
     a = Sequence("a", list(range(1000, 1020)), __import__("inferlab.engine.sampling_params",
@@ -208,7 +249,7 @@ def test_features_of_a_step():
     sched.add(a)
     batch = sched.schedule()
     f = batch_features(batch)
-    assert f == StepFeatures(1, 20, 0, 20 * 10.5, 1)
+    assert f == StepFeatures(1, 20, 0, 0, 1, prefill_steps=1, prefill_pairs=20 * 10.5)
     sched.update_from_output(batch, {a: [7]})
     a.token_ids.append(7)
     assert batch_features(sched.schedule()) == StepFeatures(1, 0, 1, 21, 1)

@@ -12,6 +12,11 @@
       - the same runs' throughput: their whole duration is the sum of their steps (about output tokens / c steps).
     Each measurement is a sum of step features, so the fit stays linear. The sampler's per-row cost cannot be told
     apart from a decode's from the outside (every decode samples one row), so it is folded into per_decode_seq.
+(c) Served, from the step trace of inferlab's server under load (`inferlab serve --step-trace`, engine/step_trace.py):
+    every step's batch and its period, from its start to the next step's start while the engine had work. It sees
+    what the offline profile cannot: on a small CPU the server's HTTP and streaming work shares the cores with the
+    forward (measured on the 2-core machine: a batch-1 decode step takes 8.4 ms offline and 11.9 ms served, the
+    gap between steps adding 0.3 ms more), and it is fitted on the batches the workload really forms.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from inferlab.bench.records import read_records
+from inferlab.engine.step_trace import BatchShape, read_step_trace
 from inferlab.lab.simulator import EngineShape
 from inferlab.lab.step_cost import StepCost, StepFeatures, batch_features, chunk_features, fit_step_cost, \
-    with_coefficients
+    FEATURES, shape_features, with_coefficients
 
 
 # --- (a) the engine profile ------------------------------------------------------------------------------------
@@ -112,7 +118,8 @@ def calibrate_engine(config, repeats: int = 3, log=print) -> StepCost:
     log(f"profiling the engine ({engine.model_name}, {engine.dtype}, {engine.block_manager.num_blocks} KV blocks, "
         f"{config.num_threads or 'default'} threads)")
     feats, times, labels = profile_engine(engine, repeats, log)
-    coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("request_overhead",), robust=True)
+    coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("request_overhead", *unidentified(feats)),
+                            robust=True)
     keep_features(q, feats)
     dtype = "bf16" if "bfloat16" in str(engine.dtype) else "fp32"
     hw = probe_this_machine(str(engine.device))
@@ -128,11 +135,18 @@ def calibrate_engine(config, repeats: int = 3, log=print) -> StepCost:
                f"forward + sample + append); request_overhead is not visible offline and is 0"])
 
 
+def unidentified(feats: list[StepFeatures]) -> tuple[str, ...]:
+    """Terms the measurements cannot pin down, left at 0 rather than fitted to noise. Prefill attention pairs cost
+    ~1 ns each on the 2-core machine: under 1% of a prefill step until its queries attend ~2,000 keys on average,
+    and a fit on shorter prompts handed the term whatever noise it liked (0.5 µs a pair, seen)."""
+    deepest = max((f.prefill_pairs / f.prefill_tokens for f in feats if f.prefill_tokens), default=0.0)
+    return ("per_prefill_pair",) if deepest < 2048 else ()
+
+
 def keep_features(q, feats: list[StepFeatures]) -> None:
     """The profile keeps every measurement's features beside its time, so it can be refitted or audited later."""
     for row, f in zip(q.rows, feats):
-        row["features"] = dict(zip(("steps", "prefill_tokens", "decode_seqs", "attended", "sampled_rows",
-                                    "requests"), f.vector().tolist()))
+        row["features"] = dict(zip(FEATURES, f.vector().tolist()))
 
 
 def shape_dict(s: EngineShape) -> dict:
@@ -153,7 +167,7 @@ def prefill_features(prompt: int, budget: int) -> StepFeatures:
     f, done = StepFeatures(), 0
     while done < prompt:
         n = min(budget, prompt - done)
-        f = f + chunk_features(done, n, done + n >= prompt) + StepFeatures(steps=1)
+        f = f + chunk_features(done, n, done + n >= prompt) + StepFeatures(steps=1, prefill_steps=1)
         done += n
     return f
 
@@ -207,7 +221,8 @@ def blackbox_measurements(results_paths: list[str | Path], budget: int
                 for r in runs_recs:
                     p, n = r.prompt_tokens or r.input_len or 0, r.output_tokens or 0
                     f = f + chunk_features(0, p, True) + StepFeatures(0, 0, max(n - 1, 0),
-                                                                        max(n - 1, 0) * (p + n / 2), max(n - 1, 0))
+                                                                        max(n - 1, 0) * (p + n / 2), max(n - 1, 0),
+                                                                        prefill_steps=1)
                 total_out = sum(r.output_tokens or 0 for r in runs_recs)
                 f = f + StepFeatures(steps=total_out / load["value"])
                 feats.append(f)
@@ -235,11 +250,90 @@ def _mean_concurrency(run: dict) -> float | None:
 def calibrate_blackbox(results_paths: list[str | Path], shape: EngineShape, model: dict, hardware: dict,
                        command: str = "") -> StepCost:
     feats, times, labels = blackbox_measurements(results_paths, shape.max_num_batched_tokens)
-    coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("per_sampled_row",), robust=True)
+    # From outside, a prefill step's fixed cost shows up once per TTFT, like the request overhead: it is folded in.
+    coef, q = fit_step_cost(feats, times, labels=labels,
+                            fixed_zero=("per_sampled_row", "per_prefill_step", *unidentified(feats)),
+                            robust=True)
     keep_features(q, feats)
     return with_coefficients(
         coef, source="black-box bench", command=command, fit=q, engine=shape_dict(shape), model=model,
         hardware=hardware,
         notes=[f"{len(times)} measurements from {len(results_paths)} bench result file(s); the sampler's per-row "
-               f"cost is folded into per_decode_seq (indistinguishable from outside)",
+               f"cost is folded into per_decode_seq, a prefill step's fixed cost into request_overhead "
+               f"(indistinguishable from outside)",
                "scheduler settings are what the caller declared for the server, not observed"])
+
+
+# --- (c) served, from the server's step trace --------------------------------------------------------------------
+
+NOISE_QUANTILES = 100
+
+
+def trace_measurements(rows: list[dict], windows: list[tuple[float, float]] | None = None
+                       ) -> tuple[list[StepFeatures], list[float], list[str]]:
+    """One measurement per traced step that the next one followed without the engine idling: its features and its
+    period (next start - this start). The step before an idle spell has no period and is left out; so is a step
+    that started outside `windows`, when given."""
+    feats: list[StepFeatures] = []
+    times: list[float] = []
+    labels: list[str] = []
+    for row, nxt in zip(rows, rows[1:]):
+        period = nxt["t"] - row["t"]
+        if not row["busy"] or period <= 0 or (windows is not None and
+                                              not any(a <= row["t"] <= b for a, b in windows)):
+            continue
+        shape = BatchShape.from_json(row)
+        prefill = sum(n for _, n, _ in shape.chunks)
+        kind = ("mixed" if shape.num_decodes else "prefill") if shape.chunks else "decode"
+        feats.append(shape_features(shape))
+        times.append(period)
+        labels.append(f"{kind} (batch {shape.num_decodes} decodes, {prefill} prefill tokens)")
+    return feats, times, labels
+
+
+def calibrate_served(trace_paths: list[str | Path], hardware: dict, command: str = "",
+                     windows: list[tuple[float, float]] | None = None) -> StepCost:
+    """Fit the step cost to one or more step traces of the same engine settings (a disaggregated server's prefill
+    and decode worker traces together: each worker is one such engine on its own core). `windows`: only the steps
+    that started within these (start, end) spans of time.perf_counter (CLOCK_MONOTONIC, shared by the processes of
+    one machine), e.g. the bench runs a calibration may use."""
+    feats: list[StepFeatures] = []
+    times: list[float] = []
+    labels: list[str] = []
+    header: dict = {}
+    for path in trace_paths:
+        h, rows = read_step_trace(path)
+        header = header or h
+        f, t, lb = trace_measurements(rows, windows)
+        feats += f
+        times += t
+        labels += lb
+    if len(times) < 10:
+        raise ValueError(f"{len(times)} traced steps with a period: serve some load with --step-trace first "
+                         f"(`inferlab simulate calibrate served CARD` does both)")
+    # Each kind of step (decode, prefill, mixed) weighs by the square root of its count, not its count: a
+    # decode-heavy trace has a hundred decode steps for every prefill, and TTFT is all prefill. (Equal weights per
+    # kind let thirty noisy prefills pull the decode fit 80% off, seen.)
+    kinds = [lb.split(" (")[0] for lb in labels]
+    count = {k: kinds.count(k) for k in set(kinds)}
+    weights = [1 / np.sqrt(count[k]) for k in kinds]
+    coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("request_overhead", *unidentified(feats)),
+                            robust=True, weights=weights)
+    keep_features(q, feats)
+    shape = EngineShape(header["max_num_seqs"], header["max_num_batched_tokens"],
+                        header["max_prefill_tokens_with_decodes"], header["block_size"], header["num_blocks"],
+                        header["enable_prefix_caching"])
+    dtype = "bf16" if header.get("dtype") == "bfloat16" else "fp32"
+    # The robust fit describes a typical step. The rest of what the machine does to steps (its noise, the stalls
+    # other processes cause: 5-7% of the served time on the 2-core machine) is kept as the distribution of
+    # measured / predicted, which the simulator draws from for every step: queues feel the mean, ITL p99 the tail.
+    ratio = np.sort([r["measured"] / r["predicted"] for r in q.rows if r["predicted"] > 0])
+    noise = [float(v) for v in np.quantile(ratio, (np.arange(NOISE_QUANTILES) + 0.5) / NOISE_QUANTILES)]
+    return with_coefficients(
+        coef, source="served step trace", command=command, fit=q, engine=shape_dict(shape), hardware=hardware,
+        step_noise=noise,
+        model={"name": header.get("model"), "dtype": dtype, "kv_bytes_per_token": header.get("kv_bytes_per_token")},
+        notes=[f"{len(times)} served steps from {len(trace_paths)} trace file(s), each timed from its start to the "
+               f"next step's start (server overhead between and during steps included)",
+               f"step_noise: {NOISE_QUANTILES} quantiles of measured / predicted (mean {ratio.mean():.3f}, p99 "
+               f"{np.quantile(ratio, 0.99):.2f})"])

@@ -3,6 +3,8 @@ the engine's own scheduler, and validate the prediction against the real server.
 
   inferlab simulate calibrate engine -o profile.json [engine flags]        # profile inferlab's engine offline
   inferlab simulate calibrate bench RUN/results.json ... -o profile.json    # black-box, from bench runs
+  inferlab simulate calibrate served CARD --rates 0.5,2 -o profile.json     # the card's server's own steps, served
+  inferlab simulate calibrate trace steps.jsonl ... -o profile.json         # from `inferlab serve --step-trace`
   inferlab simulate predict CARD --profile profile.json [--rates 0.5,1,2] [--replicas 2] [--disaggregate 2]
   inferlab simulate validate CARD --profile profile.json --rates 0.3,0.6   # bench the real server, compare
   inferlab simulate validate CARD --profile profile.json --max-rate-within 0.15   # and check the SLO-max rate
@@ -48,6 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bb.add_argument("--max-queue", type=int, default=256, help="the server's waiting-queue bound (429 beyond)")
     bb.add_argument("--model", default=None, help="preset, GGUF or HF folder for KV bytes per token (default bundled)")
     bb.add_argument("--hardware", default="this machine", help="where the server ran (a preset or 'this machine')")
+    sv = cal.add_parser("served", help="serve the card's load at a few rates with a step trace, fit to it "
+                                       "(inferlab's server: the most accurate profile)")
+    sv.add_argument("card", help="workload card (YAML) whose server is inferlab's")
+    sv.add_argument("--rates", required=True, help="requests/s to serve, comma-separated (validate at others)")
+    sv.add_argument("--requests", type=int, default=60, help="measured requests per rate")
+    sv.add_argument("--output-dir", default="simulate-calibrate", help="bench results and the step trace go here")
+    sv.add_argument("-o", "--output", default="step-cost.json")
+    tr = cal.add_parser("trace", help="fit to step traces written by `inferlab serve --step-trace`")
+    tr.add_argument("traces", nargs="+", help="trace files of one engine setting (a disaggregated server's worker "
+                                              "traces together)")
+    tr.add_argument("-o", "--output", default="step-cost.json")
 
     for name, helptext in (("predict", "predict a card's latency, goodput and capacity"),
                            ("validate", "bench the real server at rates the calibration did not use and compare")):
@@ -105,7 +118,13 @@ def _calibrate(args) -> int:
     from inferlab.lab.calibrate import calibrate_blackbox, calibrate_engine
 
     command = shlex.join(["inferlab", "simulate", *sys.argv[2:]]) if len(sys.argv) > 2 else ""
-    if args.source == "engine":
+    if args.source == "served":
+        cost = _calibrate_served(args, command)
+    elif args.source == "trace":
+        from inferlab.lab.calibrate import calibrate_served
+
+        cost = calibrate_served(args.traces, _this_machine(), command)
+    elif args.source == "engine":
         from inferlab.engine.config import EngineConfig
 
         cost = calibrate_engine(EngineConfig.from_cli_args(args), args.repeats, log=lambda m: print(m, file=sys.stderr))
@@ -131,6 +150,47 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _this_machine() -> dict:
+    from inferlab.lab.hardware import probe_this_machine
+
+    hw = probe_this_machine("cpu")
+    return {"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.peak_flops("bf16")}
+
+
+def _calibrate_served(args, command: str):
+    """Serve the card's load at each rate with the step trace on, fit the step cost to the trace, then the request
+    overhead (HTTP, tokenization, the first write: outside the steps) to the lowest rate's TTFT: measured p50 minus
+    the simulated one without it. Only there: under a queue, TTFT amplifies every error of the step model (seen:
+    +7 ms at 1 req/s, +173 ms at 3 req/s where four slots queue)."""
+    from inferlab.lab import capacity
+    from inferlab.lab.calibrate import calibrate_served, shape_from
+    from inferlab.lab.capacity import Scenario
+    from inferlab.lab.card import load_card
+
+    card = load_card(args.card)
+    if card.server.kind != "inferlab":
+        raise ValueError(f"{args.card}: `calibrate served` needs the card's server to be inferlab's (it reads the "
+                         f"engine's step trace); for another server use `calibrate bench`")
+    out_dir = Path(args.output_dir)
+    trace = out_dir / "steps.jsonl"
+    rates = _rates(args.rates) or []
+    # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
+    # validation run on the same server, or the other way round.
+    points = bench_rates(card, rates, out_dir, args.requests, seed_base=card.traffic.seed + 1000,
+                         server_config={**card.server.config, "step_trace": str(trace)})
+    cost = calibrate_served([trace], _this_machine(), command)
+    sc = Scenario(card, cost, shape_from(cost.engine), requests=args.requests)
+    if points:
+        rate, card_k, measured = min(points, key=lambda p: p[0])
+        predicted = capacity.simulate(replace(sc, card=card_k), rate=rate)
+        m, p = measured["latency"]["ttft"].get("p50"), predicted["latency"]["ttft"].get("p50")
+        if m is not None and p is not None:
+            cost.request_overhead = max(0.0, m - p)
+            cost.notes.append(f"request_overhead: measured - simulated TTFT p50 at {rate:g} req/s "
+                              f"({m * 1e3:.1f} - {p * 1e3:.1f} ms)")
+    return cost
+
+
 def print_profile(cost) -> None:
     from rich.table import Table
 
@@ -139,9 +199,11 @@ def print_profile(cost) -> None:
     t.add_column("coefficient", justify="right")
     for name, unit, scale in (("intercept", "ms / step", 1e3), ("per_prefill_token", "µs / prefill token", 1e6),
                               ("per_decode_seq", "µs / decoding sequence", 1e6),
-                              ("per_attended", "ns / (query, key) pair", 1e9),
+                              ("per_attended", "ns / key a decode reads", 1e9),
                               ("per_sampled_row", "µs / sampled row", 1e6),
-                              ("request_overhead", "ms / request", 1e3)):
+                              ("request_overhead", "ms / request", 1e3),
+                              ("per_prefill_step", "ms / step with a prefill", 1e3),
+                              ("per_prefill_pair", "ns / prefill (query, key) pair", 1e9)):
         t.add_row(name, f"{getattr(cost, name) * scale:.3f} {unit}")
     q = cost.fit
     _console().print(t)
@@ -329,13 +391,7 @@ VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), (
 
 
 def _validate(args) -> int:
-    import asyncio
-
     from inferlab.lab import capacity
-
-    from inferlab.bench.benchmark import Benchmark
-    from inferlab.bench.runner import Load
-    from inferlab.lab.card import start_server, to_bench_config
 
     sc = _scenario(args)
     rates = _rates(args.rates) or []
@@ -350,35 +406,18 @@ def _validate(args) -> int:
         rates += [round(bracket[1], 4), round(bracket[2], 4)]
     if not rates:
         raise ValueError("validate needs --rates (requests/s the calibration did not use) or --max-rate-within")
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    srv = None
-    base_url = args.base_url
-    if base_url is None:  # one server for every rate, started as the card says (as `inferlab experiment` does)
-        print(f"starting the card's server ({sc.card.server.kind}) ...", file=sys.stderr)
-        srv = start_server(sc.card.server, log_path=out_dir / "server.log")
-        base_url = srv.base_url
-    out = {"card": sc.card.name, "profile": args.profile, "base_url": base_url, "points": []}
-    try:
-        for rate in rates:
-            arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
-            cfg = to_bench_config(sc.card, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
-            cfg.loads = [Load("rate", rate, arrival, args.burstiness or 1.0)]
-            cfg.num_requests, cfg.duration = args.requests, None
-            print(f"bench at {rate:g} req/s ({args.requests} requests + {cfg.warmup} warmup) ...", file=sys.stderr)
-            outcome = asyncio.run(Benchmark(cfg).run())
-            measured = outcome.results["runs"][0]
-            # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
-            predicted = capacity.simulate(replace(sc, arrival=arrival), rate=rate)
-            point = compare(measured, predicted)
-            point.update(rate=rate, results=str(outcome.path), meets_measured=capacity.meets(sc.card, measured),
-                         meets_predicted=capacity.meets(sc.card, predicted))
-            out["points"].append(point)
-            if outcome.interrupted:
-                break
-    finally:
-        if srv is not None:
-            srv.stop()
+    arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
+    out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url, "points": []}
+    for rate, card_k, measured in bench_rates(sc.card, rates, Path(args.output_dir), args.requests,
+                                              seed_base=sc.card.traffic.seed, base_url=args.base_url,
+                                              arrival=arrival, burstiness=args.burstiness):
+        # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
+        predicted = capacity.simulate(replace(sc, card=card_k, arrival=arrival), rate=rate)
+        point = compare(measured, predicted)
+        point.update(rate=rate, seed=card_k.traffic.seed, results=measured.get("path"),
+                     meets_measured=capacity.meets(sc.card, measured),
+                     meets_predicted=capacity.meets(sc.card, predicted))
+        out["points"].append(point)
     print_validation(out["points"])
     if bracket is not None:
         out["max_rate"] = max_rate_verdict(bracket, args.max_rate_within, out["points"])
@@ -386,6 +425,45 @@ def _validate(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 0
+
+
+def bench_rates(card, rates: list[float], out_dir: Path, requests: int, seed_base: int, base_url: str | None = None,
+                server_config: dict | None = None, arrival: str | None = None,
+                burstiness: float | None = None) -> list[tuple[float, object, dict]]:
+    """`inferlab bench` at each rate against one server (the card's, started here, unless base_url): (rate, the card
+    as run, its measured run). Rate i runs with seed seed_base + i, so no point's prompts are in the server's prefix
+    cache from an earlier point (the same seed draws the same prompts, which would then cost a few tokens each)."""
+    import asyncio
+
+    from inferlab.bench.benchmark import Benchmark
+    from inferlab.bench.runner import Load
+    from inferlab.lab.card import start_server, to_bench_config
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    srv = None
+    if base_url is None:  # one server for every rate, started as the card says (as `inferlab experiment` does)
+        print(f"starting the card's server ({card.server.kind}) ...", file=sys.stderr)
+        srv = start_server(card.server, config=server_config, log_path=out_dir / "server.log")
+        base_url = srv.base_url
+    arrival = arrival or (card.traffic.arrival if not card.traffic.closed_loop else "poisson")
+    points = []
+    try:
+        for i, rate in enumerate(rates):
+            card_k = replace(card, traffic=replace(card.traffic, seed=seed_base + i))
+            cfg = to_bench_config(card_k, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
+            cfg.loads = [Load("rate", rate, arrival, burstiness or 1.0)]
+            cfg.num_requests, cfg.duration = requests, None
+            print(f"bench at {rate:g} req/s ({requests} requests + {cfg.warmup} warmup, seed {seed_base + i}) ...",
+                  file=sys.stderr)
+            outcome = asyncio.run(Benchmark(cfg).run())
+            measured = {**outcome.results["runs"][0], "path": str(outcome.path)}
+            points.append((rate, card_k, measured))
+            if outcome.interrupted:
+                break
+    finally:
+        if srv is not None:
+            srv.stop()
+    return points
 
 
 def max_rate_verdict(bracket: tuple[float, float, float], within: float, points: list[dict]) -> dict:

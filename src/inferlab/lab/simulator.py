@@ -3,8 +3,9 @@
 Each instance owns a real `Scheduler` and `BlockManager` (src/inferlab/engine), and steps exactly as
 `LLMEngine.step` does — `schedule()`, then `update_from_output(batch, sampled)`, then the sampled tokens are appended
 and finished sequences released with `finish()` — except that the model forward is replaced by a step-cost model
-(lab/step_cost.py): a step that starts at t ends at t + cost(batch). So batching, chunked prefill, the KV budget,
-preemption, prefix-cache hits and the admission limit are the engine's, not a re-implementation of them.
+(lab/step_cost.py): a step that starts at t ends at t + cost(batch), times a draw from the profile's step noise when
+it has one. So batching, chunked prefill, the KV budget, preemption, prefix-cache hits and the admission limit are
+the engine's, not a re-implementation of them.
 
 What is modelled beside the engine:
   - the server's admission limit (`max_queue`, server/async_engine.py): a request that finds `max_queue` requests
@@ -29,6 +30,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.outputs import RequestMetrics
 from inferlab.engine.sampling_params import SamplingParams
@@ -38,6 +41,7 @@ from inferlab.lab.step_cost import StepCost
 
 ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")
 SAMPLED_TOKEN = 7  # what a simulated step "samples": only lengths matter, and prompts never contain it by chance
+NOISE_SEED = 20
 
 
 @dataclass(slots=True)
@@ -223,6 +227,10 @@ class _Run:
         self.outside = 0  # requests in the system but in no scheduler: host overhead, KV transfer
         self.area, self.now = 0.0, 0.0
         self.steps: list[StepRecord] = []
+        # A profile's step noise (measured / predicted quantiles): one draw per step, from a fixed stream, so a run
+        # is repeatable and two loads see the same draws (common random numbers).
+        self.noise = np.asarray(sim.cost.step_noise, dtype=np.float64) if sim.cost.step_noise else None
+        self.noise_rng = np.random.default_rng(NOISE_SEED)
 
     # -- the event loop --------------------------------------------------------------------------------------
     def push(self, t: float, kind: str, *data) -> None:
@@ -318,6 +326,8 @@ class _Run:
             raise RuntimeError(f"{inst.name}: the scheduler found no step to run with requests waiting "
                                f"(KV pool of {inst.bm.num_blocks} blocks too small for them?)")
         dt = self.cost.step_time(batch)
+        if self.noise is not None:
+            dt *= self.noise[self.noise_rng.integers(len(self.noise))]
         inst.batch = batch
         inst.busy += dt
         if self.sim.record_steps:

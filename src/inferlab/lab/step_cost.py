@@ -6,10 +6,17 @@ Why this form. An engine step (schedule -> forward -> sample) on inferlab's engi
   - per prefill token: each prompt token goes through every GEMM (compute)    -> `per_prefill_token`
   - per decoding sequence: its one token through the GEMMs, on the engine's decode path (on the CPU a GEMV-like
     C++ path; on a GPU the same GEMMs at a small M)                          -> `per_decode_seq`
-  - per (query, key) pair of attention: a decode reads its whole context's K/V; a prefill chunk of n tokens after c
-    computed ones does n·(c + (n+1)/2) pairs (causal)                       -> `per_attended`
+  - per key a decode attends: it reads that key's K and V from the cache, once per layer (memory: 23 KB a key for
+    SmolLM2 in bf16, ~1 µs at 20 GB/s)                                      -> `per_attended`
+  - per (query, key) pair of a prefill chunk's attention: n tokens after c computed ones do n·(c + (n+1)/2) pairs
+    (causal); the chunk reads each key once for all its queries, so the cost is compute (~1 ns a pair), a thousand
+    times less than a decode's per key: one coefficient for both fits neither -> `per_prefill_pair`
   - per sampled row: the LM head's logits for each sequence that reached its last token, and the sampler on them
                                                                             -> `per_sampled_row`
+  - per step that carries any prefill: the general path's own fixed cost. Engines run decode-only steps on a
+    cheaper path (inferlab's CPU engine a fused C++ decode plan, GPU engines a captured CUDA graph) and steps with
+    a multi-token query eagerly; served on the 2-core machine a prefill step costs ~20 ms before its first token
+    against ~11 ms for a batch-1 decode                                      -> `per_prefill_step`
 The sum is exact for a roofline-bound step only piecewise (max of compute and memory), but over the batch sizes one
 engine serves the linear sum fits within the residuals that `fit` reports, and it extrapolates sanely.
 
@@ -26,12 +33,16 @@ from pathlib import Path
 import numpy as np
 
 from inferlab.engine.scheduler import ScheduledBatch
+from inferlab.engine.step_trace import BatchShape
 
 COEFFICIENTS = ("intercept", "per_prefill_token", "per_decode_seq", "per_attended", "per_sampled_row",
-                "request_overhead")
+                "request_overhead", "per_prefill_step", "per_prefill_pair")
+FEATURES = ("steps", "prefill_tokens", "decode_seqs", "attended", "sampled_rows", "requests", "prefill_steps",
+            "prefill_pairs")
 # Which roofline term each coefficient follows when the profile is moved to other hardware (`scaled`).
-MEMORY_TERMS = ("intercept", "per_attended")  # weights read once a step; K/V read per attended key
-COMPUTE_TERMS = ("per_prefill_token", "per_decode_seq", "per_sampled_row")  # GEMM FLOPs per token / row
+# Weights read once a step (the general path reads its own copy of them); K/V read per attended key.
+MEMORY_TERMS = ("intercept", "per_attended", "per_prefill_step")
+COMPUTE_TERMS = ("per_prefill_token", "per_decode_seq", "per_sampled_row", "per_prefill_pair")  # GEMM FLOPs per token / row
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,10 +56,12 @@ class StepFeatures:
     attended: float = 0.0
     sampled_rows: float = 0.0
     requests: float = 0.0  # request overheads included (black-box rows only)
+    prefill_steps: float = 0.0  # steps carrying a multi-token query
+    prefill_pairs: float = 0.0  # (query, key) pairs of multi-token queries
 
     def vector(self) -> np.ndarray:
         return np.array([self.steps, self.prefill_tokens, self.decode_seqs, self.attended, self.sampled_rows,
-                         self.requests], dtype=np.float64)
+                         self.requests, self.prefill_steps, self.prefill_pairs], dtype=np.float64)
 
     def __add__(self, other: "StepFeatures") -> "StepFeatures":
         return StepFeatures(*(a + b for a, b in zip(self.vector(), other.vector())))
@@ -59,19 +72,24 @@ class StepFeatures:
 
 def chunk_features(num_computed: int, n: int, samples: bool) -> StepFeatures:
     """One sequence's share of a step: n new tokens after num_computed cached ones."""
-    pairs = n * (num_computed + (n + 1) / 2)
     if n == 1:
-        return StepFeatures(0, 0, 1, pairs, 1 if samples else 0)
-    return StepFeatures(0, n, 0, pairs, 1 if samples else 0)
+        return StepFeatures(0, 0, 1, num_computed + 1, 1 if samples else 0)
+    return StepFeatures(0, n, 0, 0, 1 if samples else 0, prefill_pairs=n * (num_computed + (n + 1) / 2))
+
+
+def shape_features(shape: BatchShape) -> StepFeatures:
+    """The features of one step, from its batch's shape (engine/step_trace.py). A query of one token counts as a
+    decode, as the engine's runner treats it (batch.num_decodes)."""
+    f = StepFeatures(1, 0, shape.num_decodes, shape.decode_context, shape.num_decodes,
+                     prefill_steps=1 if shape.chunks else 0)
+    for c, n, samples in shape.chunks:
+        f = f + chunk_features(c, n, samples)
+    return f
 
 
 def batch_features(batch: ScheduledBatch) -> StepFeatures:
-    """The features of a batch the scheduler just returned (before update_from_output moves num_computed_tokens).
-    A query of one token counts as a decode, as the engine's runner treats it (batch.num_decodes)."""
-    f = StepFeatures(steps=1)
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        f = f + chunk_features(seq.num_computed_tokens, n, seq.num_computed_tokens + n >= seq.num_tokens)
-    return f
+    """The features of a batch the scheduler just returned (before update_from_output moves num_computed_tokens)."""
+    return shape_features(BatchShape.of(batch))
 
 
 @dataclass(slots=True)
@@ -99,6 +117,11 @@ class StepCost:
     per_attended: float = 0.0
     per_sampled_row: float = 0.0
     request_overhead: float = 0.0
+    per_prefill_step: float = 0.0  # profiles from before these two terms read them as 0
+    per_prefill_pair: float = 0.0
+    # Quantiles of measured / predicted step time over the calibration's steps: the simulator multiplies each step's
+    # cost by a draw from them (empty: every step costs exactly its prediction).
+    step_noise: list[float] = field(default_factory=list)
     source: str = ""  # how it was calibrated: "engine profile" | "black-box bench" | "synthetic" | "scaled ..."
     command: str = ""  # the command that made it
     # The scheduler settings the calibrated server ran with; the simulator uses them unless told otherwise.
@@ -153,6 +176,9 @@ class StepCost:
         for c in COEFFICIENTS:
             if c in kw and not (isinstance(kw[c], (int, float)) and kw[c] >= 0):
                 raise ValueError(f"step-cost profile: {c} must be a non-negative number of seconds, got {kw[c]!r}")
+        noise = kw.get("step_noise", [])
+        if not (isinstance(noise, list) and all(isinstance(v, (int, float)) and v > 0 for v in noise)):
+            raise ValueError("step-cost profile: step_noise must be a list of positive ratios")
         return cls(**kw)
 
     def save(self, path: str | Path) -> Path:
@@ -200,12 +226,13 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def fit_step_cost(features: list[StepFeatures], measured: list[float], *, relative: bool = True,
                   labels: list[str] | None = None, fixed_zero: tuple[str, ...] = (),
-                  robust: bool = False) -> tuple[np.ndarray, FitQuality]:
+                  robust: bool = False, weights: list[float] | None = None) -> tuple[np.ndarray, FitQuality]:
     """Fit the coefficients to measurements (seconds), each the summed features of the steps it spans.
     relative=True minimises relative error (a 10 ms step counts as much as a 1 s prefill). Coefficients named in
     `fixed_zero` stay 0 (the data cannot tell them apart from others). robust=True refits without measurements
     whose relative residual exceeds max(25 %, 5 x the median one) — a step another process stalled — a few times.
-    Returns the coefficients in COEFFICIENTS order and the residuals over every measurement."""
+    `weights` multiply each measurement's weight (e.g. so that a few thousand decode steps do not drown a few dozen
+    prefills). Returns the coefficients in COEFFICIENTS order and the residuals over every measurement."""
     if len(features) != len(measured) or not features:
         raise ValueError("calibration needs at least one measurement, each with its features")
     x = np.stack([f.vector() for f in features])
@@ -213,9 +240,10 @@ def fit_step_cost(features: list[StepFeatures], measured: list[float], *, relati
     if (y <= 0).any():
         raise ValueError("every measured time must be positive")
     keep = np.array([c not in fixed_zero and x[:, i].any() for i, c in enumerate(COEFFICIENTS)])
+    extra = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=np.float64)
     use = np.ones(len(y), dtype=bool)
     for _ in range(4 if robust else 1):
-        w = 1.0 / y[use] if relative else np.ones(use.sum())
+        w = (1.0 / y[use] if relative else np.ones(use.sum())) * extra[use]
         a = x[use][:, keep] * w[:, None]
         # Scale columns to unit norm so the active set's tolerances are not dominated by the attended column.
         norms = np.linalg.norm(a, axis=0)
