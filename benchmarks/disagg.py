@@ -1,7 +1,7 @@
 """Colocated against disaggregated serving on the same two cores, with the simulator's predictions beside each
 measurement.
 
-    python benchmarks/disagg.py                         # everything: ~1 hour on a quiet 2-core machine
+    python benchmarks/disagg.py                         # everything: ~25 minutes on a quiet 2-core machine
     python benchmarks/disagg.py --smoke                 # one tiny point per topology, to check the plumbing
 
 Topologies (all on the cores this process may use, normally 2; the server is started under that affinity):
@@ -15,10 +15,14 @@ At each rate: an open-loop Poisson run with --scrape-metrics and an ITL objectiv
 mean inter-token latency: the goodput column is the share of requests meeting it, as vLLM's goodput counts TPOT).
 Reported: ITL p50/p99 (every gap between tokens), TTFT p50/p99, output tokens/s, requests/s, goodput.
 
-Predictions: `inferlab simulate calibrate engine` fits a step-cost profile with 2 threads (a colocated engine) and
-with 1 thread on one core (a disaggregated worker), then `inferlab simulate predict` runs a card of each mix at
-the same rates: colocated, colocated with the cap (the card's server config), and --prefill 1 --decode 1 with the
-KV link's bandwidth set to the copy bandwidth the server reported (kv_transfer bytes / seconds).
+Predictions: every server runs with `--step-trace` (a disaggregated one writes a trace per worker), and each point
+is predicted from a step-cost profile fitted to that topology's served steps at the *other* rates of the same mix
+(leave one rate out: the calibration never saw the point it predicts; a mix run at one rate only is predicted from
+the other mix's steps). `inferlab simulate predict` then runs a card of the point (its mix, rate and bench seed):
+colocated, colocated with the cap (the card's server config), and --prefill 1 --decode 1 with the KV link's
+bandwidth set to the copy bandwidth the server reported (kv_transfer bytes / seconds).
+Each bench run has its own seed: the same seed draws the same prompts, which a later run would find in the
+server's prefix cache.
 
 Writes OUT/disagg.json (the single source: every bench summary and prediction) and OUT/disagg.md (the table).
 Figures from a machine shared with other work are contaminated: run it on a quiet machine.
@@ -45,7 +49,7 @@ MIXES = {
     "chat": {"input_len": "uniform:64,512", "output_len": "128",
              "card_input": {"dist": "uniform", "min": 64, "max": 512}, "card_output": 128},
 }
-RATES = {"prefill-heavy": [0.25, 0.5, 0.75], "chat": [0.5, 1.0, 2.0]}
+RATES = {"prefill-heavy": [0.25, 0.5], "chat": [0.5, 1.0]}
 
 
 def inferlab(*args: str) -> list[str]:
@@ -57,12 +61,14 @@ def topologies(cap: int) -> dict[str, list[str]]:
             "disaggregated": ["--disaggregate"]}
 
 
-def bench(base: str, mix: dict, rate: float, n: int, slo_ms: float, out: Path) -> dict:
+def bench(base: str, mix: dict, rate: float, n: int, slo_ms: float, out: Path, seed: int) -> dict:
     cmd = inferlab("bench", "--base-url", base, "--rate", str(rate), "--num-requests", str(n), "--warmup", "2",
                    "--input-len", mix["input_len"], "--output-len", mix["output_len"], "--ignore-eos",
                    "--slo", f"tpot={slo_ms}ms", "--scrape-metrics", "--output-dir", str(out), "--quiet", "--no-html",
-                   "--seed", "0")
+                   "--seed", str(seed))
+    t0 = time.perf_counter()  # CLOCK_MONOTONIC, the clock the server's step trace stamps its steps with
     subprocess.run(cmd, check=False, env=_env())  # exit 1 = an SLO missed: still a result
+    window = (t0, time.perf_counter())
     results = json.loads((out / "results.json").read_text())
     run = results["runs"][0]
     lat = run["latency"]
@@ -73,7 +79,7 @@ def bench(base: str, mix: dict, rate: float, n: int, slo_ms: float, out: Path) -
             "output_tokens_per_s": run["throughput"]["output_tokens_per_s"],
             "goodput_share": (run["goodput"] or {}).get("share"), "failed": run["counts"]["failed"],
             "kv_transfer_bytes": sm.get("kv_transfer_bytes"), "kv_transfer_seconds": sm.get("kv_transfer_seconds"),
-            "by_role": sm.get("by_role"), "results": str(out / "results.json")}
+            "by_role": sm.get("by_role"), "results": str(out / "results.json"), "seed": seed, "window": window}
 
 
 def _env() -> dict:
@@ -82,13 +88,13 @@ def _env() -> dict:
     return env
 
 
-def write_card(path: Path, mix: dict, name: str, slo_ms: float, server: dict) -> Path:
+def write_card(path: Path, mix: dict, name: str, slo_ms: float, server: dict, seed: int) -> Path:
     import yaml
 
     card = {"version": 1, "name": name, "description": f"benchmarks/disagg.py: {name}",
             "contract": {"endpoint": "completions", "streaming": True,
                          "context": {"max_input_tokens": 1200, "max_output_tokens": 128}},
-            "traffic": {"arrival": "poisson", "rate": "1/s", "requests": 40, "seed": 0,
+            "traffic": {"arrival": "poisson", "rate": "1/s", "requests": 40, "seed": seed, "warmup": 2,
                         "input_len": mix["card_input"], "output_len": mix["card_output"]},
             "objectives": {"tpot": {"p99": f"{slo_ms}ms"}},
             "constraints": {"hardware": "this machine"},
@@ -97,18 +103,29 @@ def write_card(path: Path, mix: dict, name: str, slo_ms: float, server: dict) ->
     return path
 
 
-def calibrate(out: Path, threads: int, cores: list[int]) -> Path:
-    path = out / f"profile-{threads}t.json"
-    if not path.exists():
-        cmd = ["taskset", "-c", ",".join(map(str, cores)),
-               *inferlab("simulate", "calibrate", "engine", "-o", str(path), "--num-threads", str(threads))]
-        subprocess.run(cmd, check=True, env=_env())
-    return path
+def traces(out: Path, topo: str) -> list[Path]:
+    base = out / f"steps-{topo}.jsonl"
+    return [base.with_name(base.name + ".prefill0"), base.with_name(base.name + ".decode0")] \
+        if topo == "disaggregated" else [base]
 
 
-def predict(card: Path, profile: Path, rates: list[float], extra: list[str], out: Path) -> list[dict]:
+def calibrate(out: Path, report: dict, key: str) -> Path:
+    """The profile that predicts `key`: the topology's served steps at the mix's other rates (else the other mix's)."""
+    from inferlab.lab.calibrate import calibrate_served
+
+    topo, mix, _ = key.split("/")
+    same_topo = [k for k in report["measured"] if k.startswith(topo + "/") and k != key]
+    others = [k for k in same_topo if k.split("/")[1] == mix] or same_topo
+    windows = [tuple(report["measured"][k]["window"]) for k in others]
+    cost = calibrate_served(traces(out, topo), {}, windows=windows)
+    cost.notes.append(f"fitted on {', '.join(others)}")
+    return cost.save(out / f"profile-{key.replace('/', '_')}.json")
+
+
+def predict(card: Path, profile: Path, rates: list[float], extra: list[str], out: Path, n: int) -> list[dict]:
     cmd = inferlab("simulate", "predict", str(card), "--profile", str(profile), "--rates",
-                   ",".join(map(str, rates)), "--no-search", "--json", str(out), *extra)
+                   ",".join(map(str, rates)), "--requests", str(n), "--no-search", "--json", str(out),
+                   *extra)
     subprocess.run(cmd, check=True, env=_env(), stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["points"]
 
@@ -143,13 +160,16 @@ def main() -> int:
         # by the server to its own core
         threads = [] if topo == "disaggregated" else ["--num-threads", str(len(cores))]
         argv = ["taskset", "-c", ",".join(map(str, cores)),
-                *inferlab("serve", "--port", str(port), *threads, *flags)]
+                *inferlab("serve", "--port", str(port), *threads, *flags, "--step-trace",
+                          str(out / f"steps-{topo}.jsonl"))]
         print(f"== {topo}: {' '.join(argv)}", flush=True)
         with launch(argv, port, ready_timeout=1800, log_path=out / f"server-{topo}.log", env=_env()) as server:
+            seed = 0
             for mix_name, mix in mixes.items():
                 for rate in rates[mix_name]:
                     key = f"{topo}/{mix_name}/{rate:g}"
-                    r = bench(server.base_url, mix, rate, n, args.itl_slo_ms, out / key.replace("/", "_"))
+                    seed += 1
+                    r = bench(server.base_url, mix, rate, n, args.itl_slo_ms, out / key.replace("/", "_"), seed)
                     report["measured"][key] = r
                     print(f"   {key}: ITL p50 {r['itl_p50'] * 1e3:.0f} p99 {r['itl_p99'] * 1e3:.0f} ms, TTFT p50 "
                           f"{r['ttft_p50'] * 1e3:.0f} p99 {r['ttft_p99'] * 1e3:.0f} ms, "
@@ -157,24 +177,19 @@ def main() -> int:
         (out / "disagg.json").write_text(json.dumps(report, indent=1))
 
     if not args.no_predict:
-        prof2 = calibrate(out, len(cores), cores)
-        prof1 = calibrate(out, 1, cores[:1])
         link = _copy_bandwidth(report)
-        for mix_name, mix in mixes.items():
-            plain = write_card(out / f"card-{mix_name}.yaml", mix, mix_name, args.itl_slo_ms, {})
-            capped = write_card(out / f"card-{mix_name}-cap.yaml", mix, mix_name + "-cap", args.itl_slo_ms,
-                                {"max_prefill_tokens_with_decodes": args.cap})
-            for topo, (card, prof, extra) in {
-                    "colocated": (plain, prof2, []), "colocated-cap": (capped, prof2, []),
-                    "disaggregated": (plain, prof1, ["--prefill", "1", "--decode", "1", "--link-bandwidth",
-                                                     f"{link:.0f}B"])}.items():
-                if topo not in topos:
-                    continue
-                pts = predict(card, prof, rates[mix_name], extra, out / f"predict-{topo}-{mix_name}.json")
-                for rate, p in zip(rates[mix_name], pts):
-                    report["predicted"][f"{topo}/{mix_name}/{rate:g}"] = {
-                        k: p.get(k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "output_tokens_per_s",
-                                              "requests_per_s", "goodput_share")}
+        for key, m in report["measured"].items():
+            topo, mix_name, rate = key.split("/")
+            name = key.replace("/", "_")
+            server = {"max_prefill_tokens_with_decodes": args.cap} if topo == "colocated-cap" else {}
+            card = write_card(out / f"card-{name}.yaml", mixes[mix_name], name, args.itl_slo_ms, server, m["seed"])
+            extra = ["--prefill", "1", "--decode", "1", "--link-bandwidth", f"{link:.0f}B"] \
+                if topo == "disaggregated" else []
+            p = predict(card, calibrate(out, report, key), [float(rate)], extra, out / f"predict-{name}.json",
+                        n)[0]
+            report["predicted"][key] = {k: p.get(k) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
+                                                              "output_tokens_per_s", "requests_per_s",
+                                                              "goodput_share")}
         report["link_bandwidth_bytes_per_s"] = link
     (out / "disagg.json").write_text(json.dumps(report, indent=1))
     (out / "disagg.md").write_text(markdown(report))
