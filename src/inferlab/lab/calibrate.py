@@ -172,8 +172,11 @@ def prefill_features(prompt: int, budget: int) -> StepFeatures:
     return f
 
 
-def blackbox_measurements(results_paths: list[str | Path], budget: int
+def blackbox_measurements(results_paths: list[str | Path], budget: int, max_num_seqs: int | None = None
                           ) -> tuple[list[StepFeatures], list[float], list[str]]:
+    """`max_num_seqs`: the server's running-sequence limit. Users beyond it wait for a slot rather than decode, so a
+    step carries at most that many (a concurrency-8 run of a 4-slot server has 4-sequence steps)."""
+    slots = float(max_num_seqs) if max_num_seqs else float("inf")
     feats: list[StepFeatures] = []
     times: list[float] = []
     labels: list[str] = []
@@ -212,7 +215,7 @@ def blackbox_measurements(results_paths: list[str | Path], budget: int
             ins = run["tokens"]["input"].get("mean")
             outs = run["tokens"]["output"].get("mean")
             if itl and users and ins and outs:
-                c = max(1.0, float(users))
+                c = min(max(1.0, float(users)), slots)
                 feats.append(StepFeatures(1, 0, c, c * (ins + outs / 2), c))
                 times.append(itl)
                 labels.append(f"{name} itl p50")
@@ -224,7 +227,7 @@ def blackbox_measurements(results_paths: list[str | Path], budget: int
                                                                         max(n - 1, 0) * (p + n / 2), max(n - 1, 0),
                                                                         prefill_steps=1)
                 total_out = sum(r.output_tokens or 0 for r in runs_recs)
-                f = f + StepFeatures(steps=total_out / load["value"])
+                f = f + StepFeatures(steps=total_out / min(load["value"], slots))
                 feats.append(f)
                 times.append(run["window"]["duration"])
                 labels.append(f"{name} duration (throughput)")
@@ -249,7 +252,7 @@ def _mean_concurrency(run: dict) -> float | None:
 
 def calibrate_blackbox(results_paths: list[str | Path], shape: EngineShape, model: dict, hardware: dict,
                        command: str = "") -> StepCost:
-    feats, times, labels = blackbox_measurements(results_paths, shape.max_num_batched_tokens)
+    feats, times, labels = blackbox_measurements(results_paths, shape.max_num_batched_tokens, shape.max_num_seqs)
     # From outside, a prefill step's fixed cost shows up once per TTFT, like the request overhead: it is folded in.
     coef, q = fit_step_cost(feats, times, labels=labels,
                             fixed_zero=("per_sampled_row", "per_prefill_step", *unidentified(feats)),
@@ -271,16 +274,18 @@ NOISE_QUANTILES = 100
 
 def trace_measurements(rows: list[dict], windows: list[tuple[float, float]] | None = None
                        ) -> tuple[list[StepFeatures], list[float], list[str]]:
-    """One measurement per traced step that the next one followed without the engine idling: its features and its
-    period (next start - this start). The step before an idle spell has no period and is left out; so is a step
-    that started outside `windows`, when given."""
+    """One measurement per traced step: its features and its period, from its start to the next step's start. A step
+    before an idle spell has no next step to measure to: its own duration plus the median gap between busy steps
+    stands in (at light load that is most steps, and on a disaggregated prefill worker nearly every prefill). Steps
+    that started outside `windows`, when given, are left out."""
     feats: list[StepFeatures] = []
     times: list[float] = []
     labels: list[str] = []
-    for row, nxt in zip(rows, rows[1:]):
-        period = nxt["t"] - row["t"]
-        if not row["busy"] or period <= 0 or (windows is not None and
-                                              not any(a <= row["t"] <= b for a, b in windows)):
+    gaps = [nxt["t"] - row["t"] - row["dt"] for row, nxt in zip(rows, rows[1:]) if row["busy"]]
+    gap = float(np.median(gaps)) if gaps else 0.0
+    for row, nxt in zip(rows, [*rows[1:], None]):
+        period = nxt["t"] - row["t"] if row["busy"] and nxt is not None else row["dt"] + gap
+        if period <= 0 or (windows is not None and not any(a <= row["t"] <= b for a, b in windows)):
             continue
         shape = BatchShape.from_json(row)
         prefill = sum(n for _, n, _ in shape.chunks)
