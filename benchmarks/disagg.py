@@ -140,6 +140,8 @@ def main() -> int:
     ap.add_argument("--cap", type=int, default=64, help="--max-prefill-tokens-with-decodes of colocated-cap")
     ap.add_argument("--itl-slo-ms", type=float, default=100.0)
     ap.add_argument("--no-predict", action="store_true")
+    ap.add_argument("--predict-only", action="store_true", help="redo the predictions from OUT/disagg.json and the "
+                                                                 "step traces beside it (no server, no bench)")
     ap.add_argument("--smoke", action="store_true", help="one tiny point per topology and mix")
     args = ap.parse_args()
     out = Path(args.out).resolve()
@@ -154,6 +156,11 @@ def main() -> int:
     report: dict = {"cores": cores, "itl_slo_ms": args.itl_slo_ms, "cap": args.cap, "num_requests": n,
                     "rates": rates, "measured": {}, "predicted": {}, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
+    if args.predict_only:
+        report = {**json.loads((out / "disagg.json").read_text()), "predicted": {}}
+        mixes = {m: MIXES[m] for m in {k.split("/")[1] for k in report["measured"]}}
+        args.itl_slo_ms, args.cap, n = report["itl_slo_ms"], report["cap"], report["num_requests"]
+        topos = {}
     for topo, flags in topos.items():
         port = free_port()
         # colocated: one engine with a thread per core; disaggregated: one thread per worker, each worker pinned
