@@ -1,7 +1,7 @@
 """Colocated against disaggregated serving on the same two cores, with the simulator's predictions beside each
 measurement.
 
-    python benchmarks/disagg.py                         # everything: ~25 minutes on a quiet 2-core machine
+    python benchmarks/disagg.py                         # everything: ~30 minutes on a quiet 2-core machine
     python benchmarks/disagg.py --smoke                 # one tiny point per topology, to check the plumbing
 
 Topologies (all on the cores this process may use, normally 2; the server is started under that affinity):
@@ -49,7 +49,7 @@ MIXES = {
     "chat": {"input_len": "uniform:64,512", "output_len": "128",
              "card_input": {"dist": "uniform", "min": 64, "max": 512}, "card_output": 128},
 }
-RATES = {"prefill-heavy": [0.25, 0.5], "chat": [0.5, 1.0]}
+RATES = {"prefill-heavy": [0.3, 0.4], "chat": [0.5, 1.0]}
 
 
 def inferlab(*args: str) -> list[str]:
