@@ -147,6 +147,8 @@ def test_bad_input_is_named(setup, capsys):
     assert "unknown router 'random'" in capsys.readouterr().err
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--max-rate-within", "1.5"]) == 2
     assert "--max-rate-within 1.5: give a fraction between 0 and 1" in capsys.readouterr().err
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "1", "--leave-one-out"]) == 2
+    assert "--leave-one-out needs at least two rates" in capsys.readouterr().err
 
 
 def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):

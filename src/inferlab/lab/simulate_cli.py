@@ -8,6 +8,7 @@ the engine's own scheduler, and validate the prediction against the real server.
   inferlab simulate predict CARD --profile profile.json [--rates 0.5,1,2] [--replicas 2] [--disaggregate 2]
   inferlab simulate validate CARD --profile profile.json --rates 0.3,0.6   # bench the real server, compare
   inferlab simulate validate CARD --profile profile.json --max-rate-within 0.15   # and check the SLO-max rate
+  inferlab simulate validate CARD --profile profile.json --rates 0.5,2,4 --leave-one-out   # each from the others
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="also check the predicted SLO-max rate: bench at (1 - F) and (1 + F) times it; "
                                 "the measured maximum lies within F of it when the card passes at the first and "
                                 "fails at the second")
+            q.add_argument("--leave-one-out", action="store_true",
+                           help="predict each rate from the server's own steps at the other rates (the card's "
+                                "inferlab server, started here with --step-trace) instead of --profile's "
+                                "coefficients: calibration and prediction a few minutes apart, never the same run")
             continue
         q.add_argument("--users", default=None, help="closed loop instead of rates: concurrent users (streams), "
                                                      "comma-separated, as `inferlab bench --concurrency`")
@@ -407,12 +412,27 @@ def _validate(args) -> int:
     if not rates:
         raise ValueError("validate needs --rates (requests/s the calibration did not use) or --max-rate-within")
     arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
-    out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url, "points": []}
-    for rate, card_k, measured in bench_rates(sc.card, rates, Path(args.output_dir), args.requests,
-                                              seed_base=sc.card.traffic.seed, base_url=args.base_url,
-                                              arrival=arrival, burstiness=args.burstiness):
+    out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url,
+           "leave_one_out": args.leave_one_out, "points": []}
+    trace = None
+    if args.leave_one_out:
+        if args.base_url or sc.card.server.kind != "inferlab" or len(rates) < 2:
+            raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
+                             "(it reads the server's step trace)")
+        trace = Path(args.output_dir) / "steps.jsonl"
+    points = bench_rates(sc.card, rates, Path(args.output_dir), args.requests, seed_base=sc.card.traffic.seed,
+                         base_url=args.base_url, arrival=arrival, burstiness=args.burstiness,
+                         server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
+    for i, (rate, card_k, measured) in enumerate(points):
+        cost = sc.cost
+        if trace is not None:
+            from inferlab.lab.calibrate import calibrate_served
+
+            cost = calibrate_served([trace], sc.cost.hardware,
+                                    windows=[m["window"] for j, (_, _, m) in enumerate(points) if j != i])
+            cost.request_overhead = sc.cost.request_overhead  # the profile's: a served trace cannot see it
         # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
-        predicted = capacity.simulate(replace(sc, card=card_k, arrival=arrival), rate=rate)
+        predicted = capacity.simulate(replace(sc, cost=cost, card=card_k, arrival=arrival), rate=rate)
         point = compare(measured, predicted)
         point.update(rate=rate, seed=card_k.traffic.seed, results=measured.get("path"),
                      meets_measured=capacity.meets(sc.card, measured),
@@ -434,6 +454,7 @@ def bench_rates(card, rates: list[float], out_dir: Path, requests: int, seed_bas
     as run, its measured run). Rate i runs with seed seed_base + i, so no point's prompts are in the server's prefix
     cache from an earlier point (the same seed draws the same prompts, which would then cost a few tokens each)."""
     import asyncio
+    import time
 
     from inferlab.bench.benchmark import Benchmark
     from inferlab.bench.runner import Load
@@ -455,8 +476,9 @@ def bench_rates(card, rates: list[float], out_dir: Path, requests: int, seed_bas
             cfg.num_requests, cfg.duration = requests, None
             print(f"bench at {rate:g} req/s ({requests} requests + {cfg.warmup} warmup, seed {seed_base + i}) ...",
                   file=sys.stderr)
+            t0 = time.perf_counter()  # the clock a step trace stamps steps with (CLOCK_MONOTONIC)
             outcome = asyncio.run(Benchmark(cfg).run())
-            measured = {**outcome.results["runs"][0], "path": str(outcome.path)}
+            measured = {**outcome.results["runs"][0], "path": str(outcome.path), "window": (t0, time.perf_counter())}
             points.append((rate, card_k, measured))
             if outcome.interrupted:
                 break
