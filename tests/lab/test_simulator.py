@@ -48,7 +48,7 @@ def test_constant_cost_and_batch_one_is_md1():
 def test_step_noise_draws_each_step_from_the_profiles_quantiles():
     """A profile's step noise multiplies each step's cost by one of its ratios, drawn uniformly: with M/D/1's
     S = 0.1 and ratios {0.5, 1.5}, every step lasts 0.05 or 0.15 s, about half each, and the queue becomes M/G/1,
-    whose mean wait is lambda E[S^2] / (2 (1 - rho)) (Pollaczek-Khinchine): 0.125 s here against M/D/1's 0.1."""
+    whose mean wait is lambda E[S^2] / (2 (1 - rho)) (Pollaczek-Khinchine): 62.5 ms here against M/D/1's 50 ms."""
     s, lam = 0.1, 5.0
     reqs = poisson_requests(40_000, lam, seed=3, prompt=(4, 40), output=(1, 1))
     cost = StepCost(intercept=s, step_noise=[0.5, 1.5])

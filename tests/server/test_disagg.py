@@ -92,14 +92,15 @@ def test_greedy_outputs_identical_to_colocated_and_transformers(disagg, llm_fp32
     assert roles["prefill"].prefix_cache_hits_total > 0 and roles["decode"].prefix_cache_hits_total > 0
     assert roles["prefill"].kv_transfers_total >= len(prompts)
     assert roles["decode"].kv_transfer_bytes_total < roles["prefill"].kv_transfer_bytes_total
-    # --step-trace: a trace per worker; the prefill worker's steps carry the prompts, in chunks of at most the step
-    # budget, and the decode worker's only single-token queries (it receives every prompt's KV whole).
+    # --step-trace: a trace per worker; the prefill worker's steps carry the prompts, within the step budget (the
+    # long prompt split across steps), and the decode worker's only single-token queries (it receives every
+    # prompt's KV whole).
     from inferlab.engine.step_trace import read_step_trace
 
     _, pre = read_step_trace(disagg.config.step_trace + ".prefill0")
     _, dec = read_step_trace(disagg.config.step_trace + ".decode0")
     chunks = [n for r in pre for _, n, _ in r["p"]]
-    assert max(chunks) == 512 and len(chunks) >= len(prompts)
+    assert all(sum(n for _, n, _ in r["p"]) + r["d"] <= 512 for r in pre) and len(chunks) > len(prompts)
     assert dec and all(not r["p"] for r in dec) and sum(r["d"] for r in dec) >= 9 * len(prompts)
 
 
