@@ -397,6 +397,7 @@ VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), (
 
 def _validate(args) -> int:
     from inferlab.lab import capacity
+    from inferlab.lab.calibrate import calibrate_served
 
     sc = _scenario(args)
     rates = _rates(args.rates) or []
@@ -426,8 +427,6 @@ def _validate(args) -> int:
     for i, (rate, card_k, measured) in enumerate(points):
         cost = sc.cost
         if trace is not None:
-            from inferlab.lab.calibrate import calibrate_served
-
             cost = calibrate_served([trace], sc.cost.hardware,
                                     windows=[m["window"] for j, (_, _, m) in enumerate(points) if j != i])
             cost.request_overhead = sc.cost.request_overhead  # the profile's: a served trace cannot see it
