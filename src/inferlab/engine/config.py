@@ -19,6 +19,10 @@ def _optional_int(text: str) -> int | None:
     return None if text.strip().lower() == "none" else int(text)
 
 
+def _optional_float(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
+
+
 def _bytes(text: str) -> int:
     """A size with a unit ('512MiB', '2GB'), or a bare byte count."""
     return parse_bytes(text, "--kv-cache-memory", bare="B")
@@ -42,6 +46,10 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int | None = field(default=None, metadata=_flag(
         "prefill tokens a step may carry beside running decodes: bounds their inter-token latency while new "
         "prompts are prefilled ('none' = up to --max-num-batched-tokens)", type=_optional_int))
+    decode_stall_ratio: float | None = field(default=2.0, metadata=_flag(
+        "while sequences decode, a step may carry prefill tokens until it takes this many times what its decodes "
+        "alone take, from step costs measured as the engine runs (engine/step_budget.py); 'none' = no bound. "
+        "--max-prefill-tokens-with-decodes, when given, bounds by a fixed count instead", type=_optional_float))
     max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse the KV blocks of shared prompt prefixes"))
     quantization: str = field(default="none", metadata=_flag("weight quantization", choices=["none", "int8", "int4"]))
@@ -70,6 +78,8 @@ class EngineConfig:
         cap = self.max_prefill_tokens_with_decodes
         if cap is not None and cap < 1:
             raise ValueError(f"max_prefill_tokens_with_decodes must be at least 1 (or None for no cap), got {cap}")
+        if self.decode_stall_ratio is not None and not self.decode_stall_ratio > 1.0:
+            raise ValueError(f"decode_stall_ratio must be above 1 (or None for no bound), got {self.decode_stall_ratio}")
 
     def to_dict(self) -> dict:
         return asdict(self)

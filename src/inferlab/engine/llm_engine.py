@@ -24,6 +24,7 @@ from inferlab.engine.sampler import Sampler
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
 from inferlab.engine.sequence import Sequence
+from inferlab.engine.step_budget import PrefillBudget
 from inferlab.engine.step_trace import BatchShape, StepTrace
 from inferlab.engine.structured_output import StructuredOutput
 from inferlab.models.loader import load_model, load_tokenizer
@@ -83,8 +84,9 @@ class LLMEngine:
             self.max_model_len = num_blocks * bs
             self.max_len_reason = f"the KV cache pool ({num_blocks} blocks of {bs} tokens)"
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        budget = None if config.decode_stall_ratio is None else PrefillBudget(config.decode_stall_ratio)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_prefill_tokens_with_decodes)
+                                   config.max_prefill_tokens_with_decodes, budget)
         self.runner = ModelRunner(loaded.model, num_blocks, bs, self.dtype, self.device, config.pack_weights)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -107,7 +109,8 @@ class LLMEngine:
             "model": self.model_name, "dtype": str(self.dtype).removeprefix("torch."),
             "kv_bytes_per_token": cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()),
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "max_prefill_tokens_with_decodes": config.max_prefill_tokens_with_decodes, "block_size": bs,
+            "max_prefill_tokens_with_decodes": config.max_prefill_tokens_with_decodes,
+            "decode_stall_ratio": config.decode_stall_ratio, "block_size": bs,
             "num_blocks": num_blocks, "enable_prefix_caching": config.enable_prefix_caching})
         if self.device.type == "cpu":
             # Loading freed hundreds of MiB (dequantized float32 weights, conversions) that glibc would keep.
@@ -206,6 +209,8 @@ class LLMEngine:
         if batch:
             outputs += self._run(batch)
         dt = time.perf_counter() - t0
+        if batch:
+            self.scheduler.observe(batch, dt)
         if batch and self.cpu_threads is not None:
             self.cpu_threads.observe(batch.num_tokens, dt)
         if shape is not None:

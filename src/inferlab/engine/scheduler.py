@@ -6,11 +6,10 @@ grow a sequence, the most recently admitted running sequence is preempted (its b
 later; the prefix cache usually makes that cheap). Waiting sequences are admitted in arrival order while blocks,
 budget and the sequence limit allow, and never in a step that had to preempt.
 
-While any sequence decodes, the prefill tokens of a step can be capped apart (max_prefill_tokens_with_decodes):
-every decoding request waits for the whole step, so a 512-token chunk beside 16 decodes is a ~300 ms gap in all
-16 streams on a 2-core CPU. The cap trades that for throughput: measured at 16 streams of 128 + 128 tokens,
-ITL p99 349 -> 95 ms and output 405 -> 364 tok/s with a cap of 64 (small chunks use the GEMMs less well). Off by
-default, as in vLLM, whose step budget is likewise shared by decodes and chunks.
+While any sequence decodes, a step's prefill tokens are bounded apart, since every decoding request waits for the
+whole step: by default to what keeps the step within --decode-stall-ratio times its decodes' own time, from step
+costs the engine measures as it runs (engine/step_budget.py); with --max-prefill-tokens-with-decodes, to a fixed
+count instead.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 
 from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.sequence import Sequence, SequenceStatus
+from inferlab.engine.step_budget import PrefillBudget
 
 
 @dataclass(slots=True)
@@ -28,6 +28,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # query-length-1 sequences first, then the others
     num_new_tokens: list[int] = field(default_factory=list)  # per sequence, speculative proposals included
     num_decodes: int = 0  # leading sequences with exactly one new token
+    num_attended: int = 0  # keys those decodes attend to, their new one included
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -40,13 +41,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_tokens_with_decodes: int | None = None):
+                 max_prefill_tokens_with_decodes: int | None = None, prefill_budget: PrefillBudget | None = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # Prefill tokens a step may carry beside decodes (None: up to the step budget). Every decoding request
-        # waits for the whole step, so this bounds their inter-token latency while new prompts stream in.
+        # Prefill tokens a step may carry beside decodes: a fixed count, else what the measured budget allows,
+        # else (both None) up to the step budget.
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self.prefill_budget = prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,8 +67,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
-        cap = self.max_prefill_tokens_with_decodes
-        prefill_budget = cap if cap is not None and any(_decoding(s) for s in self.running) else budget
+        prefill_budget = self._prefill_cap()
+        if prefill_budget is None:
+            prefill_budget = budget
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -118,8 +121,28 @@ class Scheduler:
             seqs=[s for s, _ in chosen],
             num_new_tokens=[n for _, n in chosen],
             num_decodes=sum(1 for _, n in chosen if n == 1),
+            num_attended=sum(s.num_computed_tokens + 1 for s, n in chosen if n == 1),
             preempted=preempted,
         )
+
+    def _prefill_cap(self) -> int | None:
+        """Prefill tokens this step may carry beside the running decodes (None: no bound)."""
+        decoding = [s for s in self.running if _decoding(s)]
+        if not decoding:
+            return None
+        if self.max_prefill_tokens_with_decodes is not None:
+            return self.max_prefill_tokens_with_decodes
+        if self.prefill_budget is None:
+            return None
+        backlog = (sum(s.num_tokens - s.num_computed_tokens for s in self.running if not _decoding(s))
+                   + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting))
+        return self.prefill_budget.tokens(len(decoding), sum(s.num_computed_tokens + 1 for s in decoding), backlog)
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """A step's measured time, for the prefill budget's cost model."""
+        if self.prefill_budget is not None:
+            self.prefill_budget.observe(batch.num_decodes, batch.num_attended, batch.num_tokens - batch.num_decodes,
+                                        seconds)
 
     def set_proposals(self, proposals: dict[Sequence, list[int]]) -> None:
         """Speculative tokens to verify in the next step (from the proposer)."""

@@ -127,7 +127,8 @@ def calibrate_engine(config, repeats: int = 3, log=print) -> StepCost:
     return with_coefficients(
         coef, source="engine profile", fit=q,
         engine=shape_dict(EngineShape(c.max_num_seqs, c.max_num_batched_tokens, c.max_prefill_tokens_with_decodes,
-                                      c.block_size, engine.block_manager.num_blocks, c.enable_prefix_caching)),
+                                      c.block_size, engine.block_manager.num_blocks, c.enable_prefix_caching,
+                                      decode_stall_ratio=c.decode_stall_ratio)),
         model={"name": engine.model_name, "dtype": dtype,
                "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(2 if dtype == "bf16" else 4)},
         hardware={"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.peak_flops(dtype)},
@@ -327,7 +328,7 @@ def calibrate_served(trace_paths: list[str | Path], hardware: dict, command: str
     keep_features(q, feats)
     shape = EngineShape(header["max_num_seqs"], header["max_num_batched_tokens"],
                         header["max_prefill_tokens_with_decodes"], header["block_size"], header["num_blocks"],
-                        header["enable_prefix_caching"])
+                        header["enable_prefix_caching"], decode_stall_ratio=header.get("decode_stall_ratio"))
     dtype = "bf16" if header.get("dtype") == "bfloat16" else "fp32"
     # The robust fit describes a typical step. The rest of what the machine does to steps (its noise, the stalls
     # other processes cause: 5-7% of the served time on the 2-core machine) is kept as the distribution of

@@ -36,6 +36,7 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.outputs import RequestMetrics
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
+from inferlab.engine.step_budget import PrefillBudget
 from inferlab.engine.sequence import Sequence
 from inferlab.lab.step_cost import StepCost
 
@@ -55,6 +56,9 @@ class EngineShape:
     num_blocks: int = 4096
     enable_prefix_caching: bool = True
     max_queue: int | None = 256  # None: never refuse
+    # The engine's measured prefill budget (engine/step_budget.py), fed the simulated step times. None: unbounded,
+    # as a profile made before the budget existed, or a black-box server, describes its engine.
+    decode_stall_ratio: float | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
@@ -156,8 +160,9 @@ class Instance:
     def __init__(self, name: str, shape: EngineShape, cost: StepCost):
         self.name, self.shape, self.cost = name, shape, cost
         self.bm = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching)
+        budget = None if shape.decode_stall_ratio is None else PrefillBudget(shape.decode_stall_ratio)
         self.scheduler = Scheduler(self.bm, shape.max_num_seqs, shape.max_num_batched_tokens,
-                                   shape.max_prefill_tokens_with_decodes)
+                                   shape.max_prefill_tokens_with_decodes, budget)
         self.batch: ScheduledBatch | None = None
         self.busy = 0.0
         self.incoming = 0  # routed here, not yet through the request overhead
@@ -328,6 +333,7 @@ class _Run:
         dt = self.cost.step_time(batch)
         if self.noise is not None:
             dt *= self.noise[self.noise_rng.integers(len(self.noise))]
+        inst.scheduler.observe(batch, dt)
         inst.batch = batch
         inst.busy += dt
         if self.sim.record_steps:

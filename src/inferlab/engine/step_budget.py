@@ -1,0 +1,97 @@
+"""How many prefill tokens a step may carry beside running decodes, from the engine's own measured step times.
+
+Every decoding stream waits for the whole step, so a prompt's prefill chunk in a step is a stall in every stream
+that decodes beside it: on the 2-core CPU, 16 streams decode in ~24 ms a step, and a step that also prefilled four
+new 128-token prompts took ~270 ms (inter-token p99 264 ms, measured served). A fixed cap
+(--max-prefill-tokens-with-decodes) is right for one model, machine and load only: the 48 tokens that double a
+16-sequence step on this CPU add a third to a 64-sequence one, and are nothing on a GPU; and a cap below the load's
+prefill demand (16 streams of 128-token prompts need ~16 prompt tokens a step on average) starves admission, so the
+streams that wait for their prompt leave the decode batch and throughput falls (cap 16: 503 -> 319 tok/s, measured).
+
+So the bound is a ratio of times (--decode-stall-ratio): a step that prefills beside decodes may take at most
+`ratio` times what those decodes alone take. Both times come from a linear cost model the engine fits to its own
+steps as it runs,
+
+    step seconds ~ a + b * decodes + c * (keys the decodes read) / 1024 + e * prefill tokens,
+
+by least squares with exponential forgetting (a memory of ~FORGET_STEPS steps: hosts drift in speed by up to 1.5x
+within a minute, contexts grow, a CPU engine may change its thread count), and the prefill budget is the tokens whose
+predicted cost fits the slack: (ratio - 1) * predicted decode-only step / e. Until both kinds of step have been seen
+there is no bound (the first steps of a server prefill with nothing decoding, which is where `e` is learnt).
+
+The slack alone starves prompts when they come faster than it prefills them: 8 streams of 1,000-token prompts at
+ratio 2 waited 7.9 s for their first token instead of 1.2 s, at 23% less throughput, and their decodes stalled no
+less (ITL p99 475 against 472 ms: once the queue holds every stream, nothing decodes and nothing bounds; measured
+served). So the budget is also at least the queue's prompt tokens over DRAIN_STEPS: a queue that slack would take
+longer than that to clear is prefilled in bigger chunks, trading decode stalls for time to first token as an
+unbounded engine does; a short queue, the usual case at moderate load, stays within the ratio.
+Multi-token queries of decoding sequences (speculative verification) count as prefill tokens: they cost the same.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FORGET_STEPS = 200  # the fit's memory: each step's weight decays by 1 - 1/FORGET_STEPS per later step
+MIN_SEEN = 4.0  # (decayed) steps of each kind, decode-only and with prefill, before the fit bounds anything
+DRAIN_STEPS = 8  # steps in which the budget prefills at least the whole queue of prompt tokens
+OUTLIER = 3.0  # a step this many times slower than predicted counts as this many (a preempted thread, a GC pause)
+RIDGE = 1e-9  # keeps the normal equations solvable while one feature has not varied yet
+
+
+class PrefillBudget:
+    """The online cost model and the budget it implies. One per scheduler; the engine reports each step."""
+
+    def __init__(self, ratio: float, min_tokens: int = 16):
+        if ratio <= 1.0:
+            raise ValueError(f"decode_stall_ratio must be above 1 (a step's time over its decodes' alone), got {ratio}")
+        self.ratio = ratio
+        self.min_tokens = min_tokens  # below this a chunk costs mostly the step's fixed overhead
+        self._keep = 1.0 - 1.0 / FORGET_STEPS
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
+        self._seen = np.zeros(2)  # decayed counts: decode-only steps, steps with prefill
+        self._coef: np.ndarray | None = None
+
+    @staticmethod
+    def _features(decodes: int, attended: int, prefill: int) -> np.ndarray:
+        return np.array([1.0, decodes, attended / 1024.0, prefill])
+
+    def observe(self, decodes: int, attended: int, prefill: int, seconds: float) -> None:
+        """One step's measured time: `decodes` one-token queries reading `attended` keys in all, `prefill` other
+        new tokens."""
+        x = self._features(decodes, attended, prefill)
+        predicted = self.predict(decodes, attended, prefill)
+        if predicted is not None and predicted > 0:
+            seconds = min(seconds, OUTLIER * predicted)
+        self._xtx *= self._keep
+        self._xty *= self._keep
+        self._seen *= self._keep
+        self._xtx += np.outer(x, x)
+        self._xty += x * seconds
+        self._seen[1 if prefill else 0] += 1.0
+        self._coef = None
+
+    def coefficients(self) -> np.ndarray | None:
+        """(a, b, c, e) in seconds, or None before both kinds of step have been seen."""
+        if self._coef is None and self._seen.min() >= MIN_SEEN:
+            reg = RIDGE * max(1.0, np.trace(self._xtx)) * np.eye(4)
+            self._coef = np.linalg.solve(self._xtx + reg, self._xty)
+        return self._coef
+
+    def predict(self, decodes: int, attended: int, prefill: int) -> float | None:
+        coef = self.coefficients()
+        return None if coef is None else float(coef @ self._features(decodes, attended, prefill))
+
+    def tokens(self, decodes: int, attended: int, backlog: int = 0) -> int | None:
+        """Prefill tokens a step beside these decodes may carry, with `backlog` prompt tokens waiting to be
+        computed; None: no bound (no decodes, or not fitted yet)."""
+        coef = self.coefficients()
+        if decodes == 0 or coef is None:
+            return None
+        per_token = coef[3]
+        decode_only = float(coef[:3] @ self._features(decodes, attended, 0)[:3])
+        if per_token <= 0 or decode_only <= 0:  # a fit that does not see prefill cost anything: no basis to bound
+            return None
+        slack = int((self.ratio - 1.0) * decode_only / per_token)
+        return max(self.min_tokens, slack, -(-backlog // DRAIN_STEPS))
