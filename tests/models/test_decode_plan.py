@@ -75,3 +75,57 @@ def test_plan_serves_qwen3_and_gemma3_layers_token_identically(family, quantizat
 
 def test_no_plan_where_the_kernels_do_not_apply(llm_fp32):
     assert llm_fp32.engine.runner.model.model.decode_plan is None  # fp32: the layers run one by one
+
+
+
+TEXT = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps aloud so that the "
+        "silence would not settle on him. ") * 6
+
+
+def test_prefill_chunks_beside_decodes_run_on_the_plan_as_rows(monkeypatch):
+    """A prompt prefilled in 24-token chunks while three streams decode: with row attention each chunk token is a
+    row of the plan's decode kernel (engine/model_runner.py: ROW_ATTENTION_MAX_KEYS), without it the chunks take
+    the layers' batched SDPA. Either way the prompt's logprobs are those of one causal pass over it in float32
+    (LLM.score, which tests/models checks against transformers) within bf16's rounding, equally close (measured:
+    rows max 0.12 / mean 0.012 nats, SDPA 0.18 / 0.011), and the streams beside it decode the same tokens (the same
+    GEMMs and decode kernel serve their rows both ways)."""
+    import numpy as np
+
+    import inferlab.engine.model_runner as model_runner
+
+    fp32 = LLM(dtype="float32", kv_cache_memory=64 * 2**20)
+    ids = fp32.tokenizer.encode(TEXT, add_special_tokens=False)
+    reference = np.array(fp32.score(ids))
+    del fp32
+    llm = LLM(dtype="bfloat16", kv_cache_memory=64 * 2**20, max_prefill_tokens_with_decodes=24,
+              enable_prefix_caching=False)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=len(ids) // 24 + 8, ignore_eos=True)
+    kernels = cpu_kernels()
+    real = kernels.decode_layers
+
+    def mixed_run() -> tuple[np.ndarray, list[int], list[list[int]]]:
+        plan_rows = []
+        monkeypatch.setattr(kernels, "decode_layers", lambda *a: plan_rows.append(a[1].shape[0]) or real(*a))
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"d{i}", p, sp)
+        eng.step()  # their prompts, together
+        eng.add_request("x", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+        outs: dict[str, list] = {}
+        while eng.has_work():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).append(o)
+        lp = outs["x"][-1].prompt_logprobs
+        assert [e.token_id for e in lp] == ids
+        err = np.abs(np.array([e.logprob for e in lp[1:]]) - reference)
+        return err, plan_rows, [[t for o in outs[f"d{i}"] for t in o.new_token_ids] for i in range(3)]
+
+    err_rows, plan_rows, streams_rows = mixed_run()
+    monkeypatch.setattr(model_runner, "ROW_ATTENTION_MAX_KEYS", 0)
+    err_sdpa, plan_sdpa, streams_sdpa = mixed_run()
+    chunks = -(-len(ids) // 24)
+    assert sum(n == 3 + 24 for n in plan_rows) >= chunks - 1  # the mixed steps ran on the plan
+    assert not any(n == 3 + 24 for n in plan_sdpa)  # ... and without rows, on the layers
+    for err in (err_rows, err_sdpa):
+        assert err.max() < 0.3 and err.mean() < 0.02, (err.max(), err.mean())
+    assert streams_rows == streams_sdpa

@@ -14,6 +14,15 @@ from inferlab.layers.packed_linear import pack_linears
 from inferlab.models.llama import LlamaForCausalLM
 
 
+# A step that carries short prefill chunks (or speculative verification) beside decodes runs each new token as a
+# row of the decode kernel, attending to keys 0..its own position through its sequence's block table, so the whole
+# step stays on the decode plan's one C++ call (models/llama.py) instead of the Python layers with a batched SDPA
+# over gathered keys. The rows of one chunk re-read their shared keys from cache, so this pays only while the
+# chunks' keys (summed over their rows) are few.
+ROW_ATTENTION_MAX_KEYS = 16384
+ROW_ATTENTION_MAX_TOKENS = 256
+
+
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
@@ -110,6 +119,9 @@ class ModelRunner:
         slots = bt[seq_of_token, positions // bs] * bs + positions % bs
         ends = starts + lens  # context length after this step
         d = num_decodes
+        if 0 < d < len(lens) and self._rows_pay(positions, int(cu[d])):
+            # Every token a row of its own, attending to keys 0..its position: see ROW_ATTENTION_MAX_KEYS.
+            bt, starts, lens, ends, d = bt[seq_of_token], positions, np.ones_like(positions), positions + 1, len(positions)
         decode = extend = None
         causal_only = d == 0 and len(lens) == 1 and starts[0] == 0
         if d and not causal_only:
@@ -120,6 +132,15 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(dev), num_decode_tokens=d, decode=decode,
                                  extend=extend, causal_only=bool(causal_only))
         return torch.from_numpy(positions).to(dev), meta
+
+    def _rows_pay(self, positions: np.ndarray, first_chunk_token: int) -> bool:
+        """Whether a step's multi-token queries should run as one-token rows (see ROW_ATTENTION_MAX_KEYS): only
+        where the decode plan then takes the whole step."""
+        chunk = positions[first_chunk_token:]
+        m = self.model.model
+        return (m.decode_plan is not None and len(positions) <= m.decode_plan_max_tokens
+                and len(chunk) <= ROW_ATTENTION_MAX_TOKENS
+                and int(chunk.sum()) + len(chunk) <= ROW_ATTENTION_MAX_KEYS)
 
     def _group(self, bt: np.ndarray, starts: np.ndarray, lens: np.ndarray, ends: np.ndarray) -> AttentionGroup:
         bs = self.block_size
