@@ -70,7 +70,7 @@ class Target:
 
 # --model -> (the GGUF's locator in inferlab.common.bundled, the name peers serve it under, default targets)
 MODELS = {
-    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-itl,vllm,llamacpp"),
+    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-unbounded,vllm,llamacpp-server"),
     "gemma3": ("gemma3_model_path", "gemma3", "inferlab,inferlab-int8,inferlab-int4,llamacpp-server"),
 }
 
@@ -100,9 +100,9 @@ def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> d
         "inferlab": Target("inferlab", serve + extra.get("inferlab", [])),
         "inferlab-int4": Target("inferlab-int4", serve + ["--quantization", "int4"] + extra.get("inferlab-int4", [])),
         "inferlab-int8": Target("inferlab-int8", serve + ["--quantization", "int8"] + extra.get("inferlab-int8", [])),
-        # the latency setting: at most 64 prefill tokens beside running decodes (bounds ITL, costs throughput)
-        "inferlab-itl": Target("inferlab-itl", serve + ["--max-prefill-tokens-with-decodes", "64"]
-                               + extra.get("inferlab-itl", [])),
+        # no bound on the prefill beside running decodes (the default before engine/step_budget.py)
+        "inferlab-unbounded": Target("inferlab-unbounded", serve + ["--decode-stall-ratio", "none"]
+                                     + extra.get("inferlab-unbounded", [])),
         "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
         "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                                         gguf, "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
