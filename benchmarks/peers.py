@@ -120,6 +120,20 @@ def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> d
     return found
 
 
+def bandwidth_bound(model: str) -> dict:
+    """The memory-bandwidth bound of batch-1 bf16 decode on this machine now: a token reads every weight once (the
+    tied LM head is the embedding table) and its sequence's K/V, at the c1 workload's mean context (128 prompt
+    tokens + 64). Read bandwidth from the lab's probe (best-of-N sum over 256 MiB)."""
+    from inferlab.lab.hardware import probe_this_machine
+    from inferlab.models.config import read_model_config
+
+    cfg = read_model_config(gguf_path(model))
+    bandwidth = probe_this_machine("cpu", seconds=1.0).bandwidth
+    per_token = 2 * cfg.num_params + cfg.kv_bytes_per_token(2) * (128 + 64)
+    return {"bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token,
+            "bound_tokens_per_s": bandwidth / per_token}
+
+
 def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -248,6 +262,8 @@ def main() -> int:
                  f"(available: {', '.join(targets(0, {}, args.model))})")
 
     results: dict[str, dict] = {"_model": {"model": args.model, "gguf": gguf_path(args.model)}}
+    # Measured before and after the targets (the host's speed drifts); the table holds c1 against the higher.
+    bounds = [bandwidth_bound(args.model)]
     for name in names:
         port = free_port()
         t = targets(port, {}, args.model)[name]
@@ -288,6 +304,8 @@ def main() -> int:
                 proc.wait(timeout=60)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(proc.pid, signal.SIGKILL)
+    bounds.append(bandwidth_bound(args.model))
+    results["_bandwidth_bound"] = max(bounds, key=lambda b: b["bound_tokens_per_s"]) | {"runs": bounds}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print_table(results)
@@ -295,6 +313,7 @@ def main() -> int:
 
 
 def print_table(results: dict) -> None:
+    bound = results.get("_bandwidth_bound")
     results = {k: v for k, v in results.items() if not k.startswith("_")}
     wls = sorted({wl for r in results.values() for wl in r if wl in WORKLOADS}, key=list(WORKLOADS).index)
     print("\n| workload | target | output tok/s | prompt tok/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | ITL p99 | "
@@ -313,6 +332,15 @@ def print_table(results: dict) -> None:
             print(f"| {wl} | {name} | {out:.1f} | {f(row.get('input_tokens_per_s'))} | {f(row['ttft_p50_ms'])} | "
                   f"{f(row['ttft_p99_ms'])} | {f(row['itl_p50_ms'])} | {f(row['itl_p99_ms'])} | "
                   f"{mib(row.get('idle_rss_bytes'))} | {mib(row.get('peak_rss_bytes'))} | {ratio} |")
+    if bound:
+        runs = ", ".join(f"{b['bandwidth_bytes_per_s'] / 1e9:.1f}" for b in bound["runs"])
+        print(f"\nbatch-1 bf16 bandwidth bound: {bound['bound_tokens_per_s']:.1f} tok/s ({bound['bytes_per_token'] / 1e6:.0f} MB "
+              f"a token; read bandwidth {runs} GB/s before / after the targets)")
+        for name in ("inferlab", "inferlab-unbounded"):
+            c1 = results.get(name, {}).get("c1")
+            if c1:
+                print(f"  {name} c1: {c1['output_tokens_per_s']:.1f} tok/s = bound / "
+                      f"{bound['bound_tokens_per_s'] / c1['output_tokens_per_s']:.2f}")
 
 
 if __name__ == "__main__":
