@@ -130,7 +130,7 @@ def test_scheduler_keeps_steps_with_decodes_within_the_ratio():
 
 
 def test_engine_config_takes_the_ratio():
-    assert EngineConfig().decode_stall_ratio == 2.0
+    assert EngineConfig().decode_stall_ratio == 1.5
     with pytest.raises(ValueError, match="decode_stall_ratio must be above 1"):
         EngineConfig(decode_stall_ratio=1.0)
     parser = argparse.ArgumentParser()

@@ -46,7 +46,7 @@ class EngineConfig:
     max_prefill_tokens_with_decodes: int | None = field(default=None, metadata=_flag(
         "prefill tokens a step may carry beside running decodes: bounds their inter-token latency while new "
         "prompts are prefilled ('none' = up to --max-num-batched-tokens)", type=_optional_int))
-    decode_stall_ratio: float | None = field(default=2.0, metadata=_flag(
+    decode_stall_ratio: float | None = field(default=1.5, metadata=_flag(
         "while sequences decode, a step may carry prefill tokens until it takes this many times what its decodes "
         "alone take, from step costs measured as the engine runs (engine/step_budget.py); 'none' = no bound. "
         "--max-prefill-tokens-with-decodes, when given, bounds by a fixed count instead", type=_optional_float))

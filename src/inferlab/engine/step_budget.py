@@ -8,8 +8,8 @@ new 128-token prompts took ~270 ms (inter-token p99 264 ms, measured served). A 
 prefill demand (16 streams of 128-token prompts need ~16 prompt tokens a step on average) starves admission, so the
 streams that wait for their prompt leave the decode batch and throughput falls (cap 16: 503 -> 319 tok/s, measured).
 
-So the bound is a ratio of times (--decode-stall-ratio): a step that prefills beside decodes may take at most
-`ratio` times what those decodes alone take. Both times come from a linear cost model the engine fits to its own
+So the bound is a ratio of times (--decode-stall-ratio, default 1.5): a step that prefills beside decodes may take at
+most `ratio` times what those decodes alone take. Both times come from a linear cost model the engine fits to its own
 steps as it runs,
 
     step seconds ~ a + b * decodes + c * (keys the decodes read) / 1024 + e * prefill tokens,
@@ -22,11 +22,12 @@ there is no bound (the first steps of a server prefill with nothing decoding, wh
 The slack alone starves prompts when they come faster than it prefills them: 8 streams of 1,000-token prompts at
 ratio 2 waited 7.9 s for their first token instead of 1.2 s, at 23% less throughput, and their decodes stalled no
 less (ITL p99 475 against 472 ms: once the queue holds every stream, nothing decodes and nothing bounds; measured
-served). So the budget is also at least the queue's prompt tokens over DRAIN_STEPS: a queue that slack would take
-longer than that to clear is prefilled in bigger chunks, trading decode stalls for time to first token as an
-unbounded engine does; a short queue, the usual case at moderate load, stays within the ratio. (The same 8
-streams: DRAIN_STEPS 16 -> 3.7 s, 8 -> 3.0 s to first token; 16 streams of 128-token prompts stay within the ratio
-either way, ITL p99 51-56 ms against 224 ms unbounded.)
+served). So the budget is also at least the queue's prompt tokens over DRAIN_STEPS: a queue that the slack would
+take longer than that to clear is prefilled in bigger chunks, trading decode stalls for time to first token as an
+unbounded engine does. Too few steps and the bursts of a closed loop (16 streams finishing together and sending 16
+new prompts) pass the bound: 8 steps let 256-token chunks beside decodes through, the steps of its ITL p99. At 32
+(default ratio 1.5, served): 16 streams ITL p99 44 ms at 572 tok/s, 64 streams 108 ms at 785 tok/s, and the 8
+streams of 1,000-token prompts 2.5 s to first token at 128 tok/s (unbounded: 1.2 s, 120-126 tok/s, ITL p99 ~460).
 
 Multi-token queries of decoding sequences (speculative verification) count as prefill tokens: they cost the same.
 """
@@ -37,7 +38,7 @@ import numpy as np
 
 FORGET_STEPS = 200  # the fit's memory: each step's weight decays by 1 - 1/FORGET_STEPS per later step
 MIN_SEEN = 4.0  # (decayed) steps of each kind, decode-only and with prefill, before the fit bounds anything
-DRAIN_STEPS = 8  # steps in which the budget prefills at least the whole queue of prompt tokens
+DRAIN_STEPS = 32  # steps in which the budget prefills at least the whole queue of prompt tokens
 OUTLIER = 3.0  # a step this many times slower than predicted counts as this many (a preempted thread, a GC pause)
 RIDGE = 1e-9  # keeps the normal equations solvable while one feature has not varied yet
 
