@@ -334,8 +334,8 @@ def print_table(results: dict) -> None:
                   f"{mib(row.get('idle_rss_bytes'))} | {mib(row.get('peak_rss_bytes'))} | {ratio} |")
     if bound:
         runs = ", ".join(f"{b['bandwidth_bytes_per_s'] / 1e9:.1f}" for b in bound["runs"])
-        print(f"\nbatch-1 bf16 bandwidth bound: {bound['bound_tokens_per_s']:.1f} tok/s ({bound['bytes_per_token'] / 1e6:.0f} MB "
-              f"a token; read bandwidth {runs} GB/s before / after the targets)")
+        print(f"\nbatch-1 bf16 bandwidth bound: {bound['bound_tokens_per_s']:.1f} tok/s "
+              f"({bound['bytes_per_token'] / 1e6:.0f} MB a token; read bandwidth {runs} GB/s before / after the targets)")
         for name in ("inferlab", "inferlab-unbounded"):
             c1 = results.get(name, {}).get("c1")
             if c1:

@@ -123,7 +123,8 @@ class ModelRunner:
         d = num_decodes
         if 0 < d < len(lens) and self._rows_pay(positions, int(cu[d])):
             # Every token a row of its own, attending to keys 0..its position: see ROW_ATTENTION_MAX_KEYS.
-            bt, starts, lens, ends, d = bt[seq_of_token], positions, np.ones_like(positions), positions + 1, len(positions)
+            bt, starts, d = bt[seq_of_token], positions, len(positions)
+            lens, ends = np.ones_like(positions), positions + 1
         decode = extend = None
         causal_only = d == 0 and len(lens) == 1 and starts[0] == 0
         if d and not causal_only:
