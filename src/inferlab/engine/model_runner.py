@@ -17,11 +17,11 @@ from inferlab.models.llama import LlamaForCausalLM
 # A step that carries prefill chunks (or speculative verification) beside decodes runs each new token as a row of
 # the decode kernel, attending to keys 0..its own position through its sequence's block table, so the whole step
 # stays on the decode plan's one C++ call (models/llama.py) instead of the Python layers with a batched SDPA over
-# gathered keys. The rows of one chunk re-read their shared keys (from cache), so this pays while the chunk's keys,
-# summed over its rows, are not too many. Measured, 7 decodes beside a chunk of a 1,000-token prompt (bundled model,
-# bf16, offline): chunks of 64 / 128 / 256 tokens 40 / 69 / 118 ms a step as rows against 52 / 83 / 165 ms on the
-# layers (up to ~190k keys a chunk); chunks of 500, up to ~375k keys, 373 against 333 ms.
-ROW_ATTENTION_MAX_KEYS = 1 << 18
+# gathered keys. The rows of one chunk re-read their shared keys (from cache), yet won at every size measured
+# (`python benchmarks/mixed_step.py`, 7 decodes, bundled model, bf16): 1.29-1.42x faster steps for chunks of
+# 64-512 tokens of prompts of 1,000-7,000 tokens (a 512-token chunk at 7,000: 870 against 1,227 ms). The bound
+# only keeps contexts past those measured (512 rows x 32k keys) on the layers.
+ROW_ATTENTION_MAX_KEYS = 1 << 24
 ROW_ATTENTION_MAX_TOKENS = 512
 
 
