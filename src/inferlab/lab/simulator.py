@@ -36,8 +36,8 @@ from inferlab.engine.block_manager import BlockManager
 from inferlab.engine.outputs import RequestMetrics
 from inferlab.engine.sampling_params import SamplingParams
 from inferlab.engine.scheduler import ScheduledBatch, Scheduler
-from inferlab.engine.step_budget import PrefillBudget
 from inferlab.engine.sequence import Sequence
+from inferlab.engine.step_budget import PrefillBudget
 from inferlab.lab.step_cost import StepCost
 
 ROUTERS = ("round-robin", "least-loaded", "prefix-affinity")
