@@ -126,7 +126,7 @@ def test_scheduler_keeps_steps_with_decodes_within_the_ratio():
     assert all(r <= 1.5 + 1e-6 or p <= max(budget.min_tokens, -(-b // DRAIN_STEPS)) for r, p, b in ratios)
     assert sum(r <= 1.5 + 1e-6 for r, _, _ in ratios) > 0.9 * len(ratios)
     assert sum(r > 1.2 for r, _, _ in ratios) > 100  # the budget is used, not starved
-    # Without the budget the same load stalls decodes for whole prompts.
+    # A fresh budget, before any step is measured (a server's first steps), bounds nothing.
     assert PrefillBudget(1.5).tokens(16, 3200) is None
 
 
