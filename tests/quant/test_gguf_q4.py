@@ -40,19 +40,37 @@ def test_q4_1_direct_is_exact(seed):
     assert torch.equal(layer.m.view(torch.int16), torch.from_numpy(blocks[..., 2:4].copy().view(np.int16)[..., 0]))
 
 
+def _int8_groups(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 as the W4A8 kernel quantizes it (kernels/gemv.cpp, quantize_int8_groups): per group of 32,
+    a = round(x * (127 / max|x|)) in fp32, half to even; returned dequantized, a * max|x| / 127, in float64."""
+    g = x.reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    a = torch.round(g * inv)
+    return (a.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
 @needs_gemv_kernels
-def test_q4_1_kernel_multiplies_by_the_file_values():
-    """The kernel's weight values, read by multiplying the identity (exact in bf16), are gguf's up to the fp32
-    rounding of the kernel's own sum d * (128 + q) + (m - 128 d) (see kernels/gemv.cpp)."""
-    raw = _raw("Q4_1", seed=3)
+@pytest.mark.parametrize("k", [256, 576, 192])  # 576 and 192: an odd number of 64-column chunks
+def test_q4_1_kernel_multiplies_by_the_file_values(k):
+    """The kernel's weight values, read by multiplying the identity (one value a group: its int8 form is exact),
+    are gguf's up to the fp32 rounding of the kernel's sums d * s * dot(q, a) + m * s * sum(a); on other inputs it
+    is the product of the file's values with the activations rounded to int8 per group of 32, as GGUF's Q8_1."""
+    raw = _raw("Q4_1", n=130, k=k, seed=3)
     layer, _ = quantize_weight(None, "int4", 32, raw)
     ref = _reference(raw).double()
     values = layer._kernel_mm(layer.find_kernels(), torch.eye(raw.shape[1])).T.double()
     d, m = layer.d.double().repeat_interleave(32, dim=1), layer.m.double().repeat_interleave(32, dim=1)
-    assert ((values - ref).abs() <= 2**-22 * (144 * d.abs() + m.abs())).all()
-    x = torch.randn(5, raw.shape[1], dtype=torch.float64).to(torch.bfloat16)
-    y = layer._kernel_mm(layer.find_kernels(), x.float()).double()
-    assert torch.allclose(y, x.double() @ ref.T, rtol=0, atol=1e-5 * (x.double().abs() @ ref.abs().T).max())
+    assert ((values - ref).abs() <= 2**-21 * (16 * d.abs() + m.abs())).all()
+    for tokens in (1, 2, 3, 4, 5):
+        x = torch.randn(tokens, raw.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(k + tokens))
+        x = x.to(torch.bfloat16).float()
+        x[0, :32] *= 100  # a group with an outlier: its own scale, not the row's
+        y = layer._kernel_mm(layer.find_kernels(), x).double()
+        scale = (x.double().abs() @ ref.abs().T).max()
+        assert torch.allclose(y, _int8_groups(x) @ ref.T, rtol=0, atol=1e-5 * scale)
+        # ...which is within int8 rounding (half of max|x| / 127 a value, per group) of the exact product
+        assert torch.allclose(y, x.double() @ ref.T, rtol=0, atol=0.01 * scale)
 
 
 def test_q4_1_with_another_group_size_requantizes():
