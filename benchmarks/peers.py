@@ -17,6 +17,12 @@ package's file). vLLM's script serves SmolLM2 only, so it is not a target for ge
 For each run the CPU time used by anything other than the server and the bench client is recorded from /proc, since
 a busy second core changes every figure on a 2-core machine.
 
+One stream last: after every target has run its workloads alone, all of them serve at once and the c1 workload
+runs --c1-rounds times on each in turn, a bandwidth probe opening each round (see interleaved_c1): the host's
+memory bandwidth drifts 1.5-2x within minutes, so batch-1 figures measured minutes apart differ by the moment as
+much as by the server; within a round they are seconds apart. The table of rounds gives the bf16 target against
+its round's bandwidth bound and int4 against llama-server, with the medians.
+
 Memory is a cost beside speed: each target's resident memory is read from /proc once it answers and has idled
 --settle seconds (idle), and its peak during each workload is the kernel's high-water mark (VmHWM, reset before
 the workload; nothing samples the server while it is measured). A server of several processes (vLLM's API server
@@ -27,10 +33,12 @@ between the processes counted in each), and at idle PSS too (shared pages split)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -132,6 +140,62 @@ def bandwidth_bound(model: str) -> dict:
     per_token = 2 * cfg.num_params + cfg.kv_bytes_per_token(2) * (128 + 64)
     return {"bandwidth_bytes_per_s": bandwidth, "bytes_per_token": per_token,
             "bound_tokens_per_s": bandwidth / per_token}
+
+
+@contextlib.contextmanager
+def serving(name: str, model: str, ready_timeout: float):
+    """Start target `name` on a free port, wait until it answers, yield (process, base URL, Target); stop it (its
+    whole process group) on the way out. A server that exits or never answers raises RuntimeError naming its log."""
+    port = free_port()
+    t = targets(port, {}, model)[name]
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"peer-{name}-", suffix=".log", delete=False)
+    print(f"== {name}: {' '.join(t.command)} (log {log.name})", flush=True)
+    proc = subprocess.Popen(t.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(t.env or {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_ready(base, proc, ready_timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; see {log.name}") from None
+        yield proc, base, t
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def interleaved_c1(names: list[str], model: str, rounds: int, ready_timeout: float, quick: bool) -> dict:
+    """One stream is where the host's drift shows most (its memory bandwidth moved 1.5-2x within minutes on the
+    2-core machine, and a batch-1 step is bandwidth-bound), so comparing targets measured minutes apart compares
+    moments as much as servers. Here every target serves at once (idle ones take no CPU) and each round runs the
+    c1 workload on each in turn, a bandwidth probe first, the order rotating between rounds: each round's ratios
+    compare runs seconds apart. Returns {"rounds": [{"bandwidth": {...}, target: row, ...}, ...]}."""
+    out: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        up = {}
+        for name in names:
+            try:
+                up[name] = stack.enter_context(serving(name, model, ready_timeout))
+            except RuntimeError as e:
+                print(f"   {name}: {e}", flush=True)
+        for r in range(rounds):
+            rnd: dict = {"bandwidth": bandwidth_bound(model)}
+            order = list(up)[r % max(1, len(up)):] + list(up)[:r % max(1, len(up))]
+            for name in order:
+                proc, base, t = up[name]
+                res, busy = run_bench(base, t.model_name, "c1", Path(tempfile.mkdtemp(prefix=f"peer-{name}-c1r-")),
+                                      quick)
+                rnd[name] = summarize(res) | {"machine_busy_frac": busy}
+            out.append(rnd)
+            bw = rnd["bandwidth"]
+            print(f"   round {r + 1}: read bandwidth {bw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (bf16 bound "
+                  f"{bw['bound_tokens_per_s']:.1f} tok/s) | " + " | ".join(
+                      f"{n} {rnd[n]['output_tokens_per_s']:.1f} tok/s, ITL p50 {rnd[n]['itl_p50_ms'] or 0:.1f} ms"
+                      for n in order), flush=True)
+    return {"rounds": out}
 
 
 def wait_ready(url: str, proc: subprocess.Popen, deadline_s: float) -> None:
@@ -253,6 +317,8 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds a ready server idles before its idle memory "
                                                               "is read")
+    ap.add_argument("--c1-rounds", type=int, default=5,
+                    help="then run c1 this many rounds with every target serving at once, interleaved (0: skip)")
     ap.add_argument("--out", default="bench-results/peers.json")
     args = ap.parse_args()
     names = (args.targets or MODELS[args.model][2]).split(",")
@@ -265,47 +331,38 @@ def main() -> int:
     # Measured before and after the targets (the host's speed drifts); the table holds c1 against the higher.
     bounds = [bandwidth_bound(args.model)]
     for name in names:
-        port = free_port()
-        t = targets(port, {}, args.model)[name]
-        log = tempfile.NamedTemporaryFile("w+", prefix=f"peer-{name}-", suffix=".log", delete=False)
-        print(f"== {name}: {' '.join(t.command)} (log {log.name})", flush=True)
-        proc = subprocess.Popen(t.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(t.env or {})})
-        base = f"http://127.0.0.1:{port}"
         try:
-            wait_ready(base, proc, args.ready_timeout)
-            time.sleep(args.settle)
-            idle = tree_memory(proc.pid)
-            results.setdefault(name, {})["memory"] = {"idle_rss_bytes": idle.rss, "idle_pss_bytes": idle.pss}
-            print(f"   idle: RSS {idle.rss / MiB:.0f} MiB, PSS {idle.pss / MiB:.0f} MiB (process tree)", flush=True)
-            for wl in args.workloads.split(","):
-                outdir = Path(tempfile.mkdtemp(prefix=f"peer-{name}-{wl}-"))
-                server0 = tree_jiffies(proc.pid)
-                busy0, tot0 = cpu_jiffies()
-                with PeakMemory(proc.pid) as peak:
-                    res, busy_frac = run_bench(base, t.model_name, wl, outdir, args.quick)
-                busy1, tot1 = cpu_jiffies()
-                server_frac = (tree_jiffies(proc.pid) - server0) / max(1, tot1 - tot0)
-                row = summarize(res)
-                row["machine_busy_frac"] = busy_frac
-                row["server_cpu_frac"] = server_frac
-                row["idle_rss_bytes"], row["idle_pss_bytes"] = idle.rss, idle.pss
-                row["peak_rss_bytes"] = peak.rss
-                results[name][wl] = row
-                print(f"   {wl:8s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
-                      f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
-                      f"busy {busy_frac:.2f} (server {server_frac:.2f})  peak RSS {peak.rss / MiB:.0f} MiB", flush=True)
+            with serving(name, args.model, args.ready_timeout) as (proc, base, t):
+                time.sleep(args.settle)
+                idle = tree_memory(proc.pid)
+                results.setdefault(name, {})["memory"] = {"idle_rss_bytes": idle.rss, "idle_pss_bytes": idle.pss}
+                print(f"   idle: RSS {idle.rss / MiB:.0f} MiB, PSS {idle.pss / MiB:.0f} MiB (process tree)", flush=True)
+                for wl in args.workloads.split(","):
+                    outdir = Path(tempfile.mkdtemp(prefix=f"peer-{name}-{wl}-"))
+                    server0 = tree_jiffies(proc.pid)
+                    busy0, tot0 = cpu_jiffies()
+                    with PeakMemory(proc.pid) as peak:
+                        res, busy_frac = run_bench(base, t.model_name, wl, outdir, args.quick)
+                    busy1, tot1 = cpu_jiffies()
+                    server_frac = (tree_jiffies(proc.pid) - server0) / max(1, tot1 - tot0)
+                    row = summarize(res)
+                    row["machine_busy_frac"] = busy_frac
+                    row["server_cpu_frac"] = server_frac
+                    row["idle_rss_bytes"], row["idle_pss_bytes"] = idle.rss, idle.pss
+                    row["peak_rss_bytes"] = peak.rss
+                    results[name][wl] = row
+                    print(f"   {wl:8s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
+                          f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
+                          f"busy {busy_frac:.2f} (server {server_frac:.2f})  peak RSS {peak.rss / MiB:.0f} MiB",
+                          flush=True)
         except RuntimeError as e:
-            print(f"   {name}: {e}; see {log.name}", flush=True)
+            print(f"   {name}: {e}", flush=True)
             results[name] = {"error": str(e)}
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(proc.pid, signal.SIGKILL)
     bounds.append(bandwidth_bound(args.model))
     results["_bandwidth_bound"] = max(bounds, key=lambda b: b["bound_tokens_per_s"]) | {"runs": bounds}
+    if args.c1_rounds > 0 and "c1" in args.workloads.split(","):
+        print(f"== c1, {args.c1_rounds} rounds, every target serving at once", flush=True)
+        results["_c1_interleaved"] = interleaved_c1(names, args.model, args.c1_rounds, args.ready_timeout, args.quick)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print_table(results)
@@ -313,7 +370,7 @@ def main() -> int:
 
 
 def print_table(results: dict) -> None:
-    bound = results.get("_bandwidth_bound")
+    bound, inter = results.get("_bandwidth_bound"), results.get("_c1_interleaved")
     results = {k: v for k, v in results.items() if not k.startswith("_")}
     wls = sorted({wl for r in results.values() for wl in r if wl in WORKLOADS}, key=list(WORKLOADS).index)
     print("\n| workload | target | output tok/s | prompt tok/s | TTFT p50 (ms) | TTFT p99 | ITL p50 (ms) | ITL p99 | "
@@ -341,6 +398,39 @@ def print_table(results: dict) -> None:
             if c1:
                 print(f"  {name} c1: {c1['output_tokens_per_s']:.1f} tok/s = bound / "
                       f"{bound['bound_tokens_per_s'] / c1['output_tokens_per_s']:.2f}")
+    if inter:
+        print_interleaved(inter["rounds"])
+
+
+def print_interleaved(rounds: list[dict]) -> None:
+    """Per round: each target's c1 figures, the bf16 target against that round's bandwidth bound (tok/s and
+    ITL p50 against the bound's time a token), int4 against llama-server; then the median of each over rounds."""
+    names = [n for n in rounds[0] if n != "bandwidth"]
+    print("\n| c1 round | read GB/s | bf16 bound tok/s (ms a token) | "
+          + " | ".join(f"{n} tok/s (ITL p50 ms)" for n in names) + " | bf16: bound / tok/s, ITL / bound's ms "
+          "| int4 / llama-server |")
+    print("|---|---|---|" + "---|" * len(names) + "---|---|")
+    cols: dict[str, list[float]] = {}
+    for i, r in enumerate(rounds, 1):
+        bw = r["bandwidth"]
+        bound, ms = bw["bound_tokens_per_s"], 1000 / bw["bound_tokens_per_s"]
+        cells = [f"{r[n]['output_tokens_per_s']:.1f} ({r[n]['itl_p50_ms'] or 0:.1f})" for n in names]
+        bf16, int4, llama = (r.get(n) for n in ("inferlab", "inferlab-int4", "llamacpp-server"))
+        vs_bound = vs_llama = "—"
+        if bf16:
+            a, b = bound / bf16["output_tokens_per_s"], (bf16["itl_p50_ms"] or 0) / ms
+            cols.setdefault("bound", []).append(a)
+            cols.setdefault("itl", []).append(b)
+            vs_bound = f"{a:.2f}, {b:.2f}"
+        if int4 and llama:
+            c = int4["output_tokens_per_s"] / llama["output_tokens_per_s"]
+            cols.setdefault("llama", []).append(c)
+            vs_llama = f"{c:.2f}x"
+        print(f"| {i} | {bw['bandwidth_bytes_per_s'] / 1e9:.1f} | {bound:.1f} ({ms:.2f}) | " + " | ".join(cells)
+              + f" | {vs_bound} | {vs_llama} |")
+    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
+    print(f"median over rounds: bf16 bound / tok/s {med(cols.get('bound', [])):.2f}, ITL p50 / bound's ms "
+          f"{med(cols.get('itl', [])):.2f}; int4 / llama-server {med(cols.get('llama', [])):.2f}x")
 
 
 if __name__ == "__main__":
