@@ -198,3 +198,53 @@ def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
         assert next(m for m in p["metrics"] if m["metric"] == "ttft p50")["measured"] >= 0.010
         prompts.append(results["runs"][0]["tokens"]["input"]["mean"])
     assert prompts[0] != prompts[1]  # different draws
+
+
+def test_speed_probe_scales_the_costs_by_the_hosts_speed(setup, tmp_path):
+    """validate --speed-probe: before each rate one request runs alone against the server (here `inferlab
+    fake-server`, 2 ms a token, so its ITL cannot be below 2 ms), and the profile's costs are scaled by that ITL
+    over the one the profile was calibrated at (1 ms here): a host that runs twice as slow predicts twice the cost."""
+    import sys
+
+    import yaml
+
+    card, profile, _ = setup
+    d = yaml.safe_load(card.read_text())
+    d["server"] = {"kind": "command", "ready_timeout": "120s",
+                   "command": f"{sys.executable} -m inferlab fake-server --port {{port}} --ttft 10ms --itl 2ms"}
+    card.write_text(yaml.safe_dump(d))
+    args = ["simulate", "validate", str(card), "--profile", str(profile), "--rates", "4", "--requests", "6",
+            "--output-dir", str(tmp_path / "runs"), "--speed-probe"]
+    assert main(args) == 2  # the profile was never probed: named, not guessed
+    prof = StepCost.load(profile)
+    prof.probe_itl = 0.001
+    prof.save(profile)
+    out = tmp_path / "val.json"
+    assert main([*args, "--json", str(out)]) == 0
+    (point,) = json.loads(out.read_text())["points"]
+    assert point["probe_itl"] >= 0.002
+    assert point["host_speed"] == pytest.approx(point["probe_itl"] / 0.001)
+    probe = json.loads(next((tmp_path / "runs" / "probe-4").rglob("results.json")).read_text())["runs"][0]
+    assert probe["counts"]["completed"] == 1 and probe["tokens"]["output"]["mean"] == 64
+    # the prediction ran on the slower costs: its ITL (steps of one or two sequences here) follows the factor
+    plain = tmp_path / "plain.json"
+    assert main([*args[:-1], "--json", str(plain)]) == 0
+    itl = [next(m["predicted"] for m in json.loads(f.read_text())["points"][0]["metrics"] if m["metric"] == "itl p50")
+           for f in (out, plain)]
+    assert itl[0] / itl[1] == pytest.approx(point["host_speed"], rel=0.2)
+
+
+def test_a_slower_host_scales_every_time_term():
+    cost = StepCost(intercept=0.01, per_prefill_token=1e-4, per_decode_seq=1e-3, per_attended=1e-8,
+                    per_sampled_row=2e-4, per_prefill_step=3e-3, per_prefill_pair=1e-9, request_overhead=0.002,
+                    step_noise=[0.9, 1.1], probe_itl=0.01)
+    slow = cost.at_speed(1.5)
+    assert np.allclose(slow.coefficients(), 1.5 * cost.coefficients())
+    assert slow.request_overhead == pytest.approx(0.003)
+    assert slow.step_noise == cost.step_noise and cost.intercept == 0.01  # relative noise kept; the original untouched
+    assert StepCost.from_dict(slow.to_dict()).probe_itl == 0.01
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="speed factor"):
+            cost.at_speed(bad)
+    with pytest.raises(ValueError, match="probe_itl"):
+        StepCost.from_dict({**cost.to_dict(), "probe_itl": -0.01})
