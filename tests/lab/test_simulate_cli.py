@@ -4,6 +4,8 @@ re-simulation, and the workload drawn as bench draws it. Model-free."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,51 +202,49 @@ def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
     assert prompts[0] != prompts[1]  # different draws
 
 
-def test_speed_probe_scales_the_costs_by_the_hosts_speed(setup, tmp_path):
-    """validate --speed-probe: before each rate one request runs alone against the server (here `inferlab
-    fake-server`, 2 ms a token, so its ITL cannot be below 2 ms), and the profile's costs are scaled by that ITL
-    over the one the profile was calibrated at (1 ms here): a host that runs twice as slow predicts twice the cost."""
-    import sys
-
-    import yaml
+def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, monkeypatch):
+    """--leave-one-out refits the step cost to the server's own trace at the other rates, and simulates the engine
+    that trace's header describes (here 2 sequences and a decode-stall ratio of 1.5), not the profile's (16
+    sequences, no bound): a profile from an older engine must not decide the schedule being predicted. Model-free:
+    bench is replaced by a trace of known steps and a measured run drawn from the simulator itself."""
+    from inferlab.lab import simulate_cli
 
     card, profile, _ = setup
-    d = yaml.safe_load(card.read_text())
-    d["server"] = {"kind": "command", "ready_timeout": "120s",
-                   "command": f"{sys.executable} -m inferlab fake-server --port {{port}} --ttft 10ms --itl 2ms"}
-    card.write_text(yaml.safe_dump(d))
-    args = ["simulate", "validate", str(card), "--profile", str(profile), "--rates", "4", "--requests", "6",
-            "--output-dir", str(tmp_path / "runs"), "--speed-probe"]
-    assert main(args) == 2  # the profile was never probed: named, not guessed
-    prof = StepCost.load(profile)
-    prof.probe_itl = 0.001
-    prof.save(profile)
+    header = {"schema": "inferlab.step_trace/1", "model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 100,
+              "max_num_seqs": 2, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
+              "block_size": 16, "num_blocks": 500, "enable_prefix_caching": True, "decode_stall_ratio": 1.5}
+    base = capacity.Scenario(load_card(card), StepCost.load(profile), shape_from(StepCost.load(profile).engine),
+                             requests=20)
+    real_simulate = capacity.simulate
+
+    def fake_bench_rates(card_, rates, out_dir, requests, seed_base, base_url=None, server_config=None,
+                         arrival=None, burstiness=None):
+        rows, points, t = [], [], 0.0
+        for i, rate in enumerate(rates):
+            t0 = t
+            for k in range(60):  # decode steps of 1-2 sequences and a prefill every tenth step
+                chunks = [[0, 100, True]] if k % 10 == 0 else []
+                d = 1 + k % 2
+                dt = 0.010 + 0.001 * d + (0.05 if chunks else 0.0)
+                rows.append({"t": t, "dt": dt - 3e-4, "busy": True, "p": chunks, "d": d, "da": 150 * d})
+                t += dt
+            measured = real_simulate(replace(base, card=card_), rate=rate)
+            points.append((rate, card_, {**measured, "path": None, "window": (t0, t)}))
+        Path(server_config["step_trace"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(server_config["step_trace"]).write_text("\n".join(json.dumps(r) for r in [header, *rows]) + "\n")
+        return points
+
+    shapes = []
+
+    def recording_simulate(sc, **kw):
+        shapes.append(sc.shape)
+        return real_simulate(sc, **kw)
+
+    monkeypatch.setattr(simulate_cli, "bench_rates", fake_bench_rates)
+    monkeypatch.setattr(capacity, "simulate", recording_simulate)
     out = tmp_path / "val.json"
-    assert main([*args, "--json", str(out)]) == 0
-    (point,) = json.loads(out.read_text())["points"]
-    assert point["probe_itl"] >= 0.002
-    assert point["host_speed"] == pytest.approx(point["probe_itl"] / 0.001)
-    probe = json.loads(next((tmp_path / "runs" / "probe-4").rglob("results.json")).read_text())["runs"][0]
-    assert probe["counts"]["completed"] == 1 and probe["tokens"]["output"]["mean"] == 64
-    # the prediction ran on the slower costs: its ITL (steps of one or two sequences here) follows the factor
-    plain = tmp_path / "plain.json"
-    assert main([*args[:-1], "--json", str(plain)]) == 0
-    itl = [next(m["predicted"] for m in json.loads(f.read_text())["points"][0]["metrics"] if m["metric"] == "itl p50")
-           for f in (out, plain)]
-    assert itl[0] / itl[1] == pytest.approx(point["host_speed"], rel=0.2)
-
-
-def test_a_slower_host_scales_every_time_term():
-    cost = StepCost(intercept=0.01, per_prefill_token=1e-4, per_decode_seq=1e-3, per_attended=1e-8,
-                    per_sampled_row=2e-4, per_prefill_step=3e-3, per_prefill_pair=1e-9, request_overhead=0.002,
-                    step_noise=[0.9, 1.1], probe_itl=0.01)
-    slow = cost.at_speed(1.5)
-    assert np.allclose(slow.coefficients(), 1.5 * cost.coefficients())
-    assert slow.request_overhead == pytest.approx(0.003)
-    assert slow.step_noise == cost.step_noise and cost.intercept == 0.01  # relative noise kept; the original untouched
-    assert StepCost.from_dict(slow.to_dict()).probe_itl == 0.01
-    for bad in (0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="speed factor"):
-            cost.at_speed(bad)
-    with pytest.raises(ValueError, match="probe_itl"):
-        StepCost.from_dict({**cost.to_dict(), "probe_itl": -0.01})
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "1,2", "--requests", "20",
+                 "--leave-one-out", "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())["points"]) == 2
+    assert shapes and all(s.max_num_seqs == 2 and s.decode_stall_ratio == 1.5 and s.num_blocks == 500
+                          for s in shapes)

@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import shlex
-import statistics
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -87,10 +86,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="predict each rate from the server's own steps at the other rates (the card's "
                                 "inferlab server, started here with --step-trace) instead of --profile's "
                                 "coefficients: calibration and prediction a few minutes apart, never the same run")
-            q.add_argument("--speed-probe", action="store_true",
-                           help="time one request alone before each rate (64 tokens in and out) and scale the "
-                                "profile's costs by its ITL against the calibration's probe (a shared host's speed "
-                                "drifts by up to 1.5x for minutes); --leave-one-out: against the other rates' probes")
             continue
         q.add_argument("--users", default=None, help="closed loop instead of rates: concurrent users (streams), "
                                                      "comma-separated, as `inferlab bench --concurrency`")
@@ -187,13 +182,8 @@ def _calibrate_served(args, command: str):
     # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
     # validation run on the same server, or the other way round.
     points = bench_rates(card, rates, out_dir, args.requests, seed_base=card.traffic.seed + 1000,
-                         server_config={**card.server.config, "step_trace": str(trace)}, speed_probe=True)
+                         server_config={**card.server.config, "step_trace": str(trace)})
     cost = calibrate_served([trace], _this_machine(), command)
-    probes = [m["probe_itl"] for _, _, m in points if m.get("probe_itl")]
-    if probes:
-        cost.probe_itl = statistics.median(probes)
-        cost.notes.append("probe_itl: speed probe ITL p50 before each rate " +
-                          ", ".join(f"{p * 1e3:.2f}" for p in probes) + " ms (median kept)")
     sc = Scenario(card, cost, shape_from(cost.engine), requests=args.requests)
     if points:
         rate, card_k, measured = min(points, key=lambda p: p[0])
@@ -407,7 +397,7 @@ VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), (
 
 def _validate(args) -> int:
     from inferlab.lab import capacity
-    from inferlab.lab.calibrate import calibrate_served
+    from inferlab.lab.calibrate import calibrate_served, shape_from
 
     sc = _scenario(args)
     rates = _rates(args.rates) or []
@@ -431,34 +421,21 @@ def _validate(args) -> int:
             raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
                              "(it reads the server's step trace)")
         trace = Path(args.output_dir) / "steps.jsonl"
-    if args.speed_probe and trace is None and sc.cost.probe_itl is None:
-        raise ValueError(f"{args.profile}: the profile has no speed probe (probe_itl) to compare with; recalibrate "
-                         "it with `inferlab simulate calibrate served`, or use --leave-one-out")
     points = bench_rates(sc.card, rates, Path(args.output_dir), args.requests, seed_base=sc.card.traffic.seed,
                          base_url=args.base_url, arrival=arrival, burstiness=args.burstiness,
-                         server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)},
-                         speed_probe=args.speed_probe)
+                         server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
     for i, (rate, card_k, measured) in enumerate(points):
-        cost = sc.cost
+        cost, shape = sc.cost, sc.shape
         if trace is not None:
             cost = calibrate_served([trace], sc.cost.hardware,
                                     windows=[m["window"] for j, (_, _, m) in enumerate(points) if j != i])
             cost.request_overhead = sc.cost.request_overhead  # the profile's: a served trace cannot see it
-        speed = None
-        if args.speed_probe:
-            others = [m.get("probe_itl") for j, (_, _, m) in enumerate(points) if j != i and m.get("probe_itl")]
-            ref = (statistics.median(others) if others else None) if trace is not None else sc.cost.probe_itl
-            if measured.get("probe_itl") and ref:
-                speed = measured["probe_itl"] / ref
+            # and the scheduler settings the server ran with (its trace's header), not the profile's
+            shape = replace(shape_from(cost.engine), max_queue=sc.shape.max_queue)
         # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
-        sim = replace(sc, cost=cost if speed is None else cost.at_speed(speed), card=card_k, arrival=arrival)
-        predicted = capacity.simulate(sim, rate=rate)
+        predicted = capacity.simulate(replace(sc, cost=cost, shape=shape, card=card_k, arrival=arrival), rate=rate)
         point = compare(measured, predicted)
-        if speed is not None:  # what the same profile predicts without the probe, for comparison
-            point["without_probe"] = compare(
-                measured, capacity.simulate(replace(sim, cost=cost), rate=rate))["metrics"]
-        point.update(rate=rate, seed=card_k.traffic.seed, results=measured.get("path"), host_speed=speed,
-                     probe_itl=measured.get("probe_itl"),
+        point.update(rate=rate, seed=card_k.traffic.seed, results=measured.get("path"),
                      meets_measured=capacity.meets(sc.card, measured),
                      meets_predicted=capacity.meets(sc.card, predicted))
         out["points"].append(point)
@@ -471,38 +448,12 @@ def _validate(args) -> int:
     return 0
 
 
-SPEED_PROBE_TOKENS = 64  # the speed probe's prompt and output length
-
-
-def run_speed_probe(card, base_url: str, out_dir: Path) -> float | None:
-    """The host's speed now, as the server shows it: one request alone (SPEED_PROBE_TOKENS in, as many out,
-    ignore_eos), its ITL p50 in seconds (None if it produced no interval). Its prompt repeats, so after the first
-    probe it is a prefix-cache hit; only its decode is timed."""
-    import asyncio
-
-    from inferlab.bench.benchmark import Benchmark
-    from inferlab.bench.runner import Load
-    from inferlab.bench.workload import LengthDist
-    from inferlab.lab.card import to_bench_config
-
-    cfg = to_bench_config(card, base_url=base_url, output_dir=out_dir)
-    cfg.loads, cfg.num_requests, cfg.duration, cfg.warmup = [Load("concurrency", 1)], 1, None, 0
-    w = cfg.workload
-    w.dataset, w.conversations, w.prefix_groups, w.prefix_len = None, False, 0, 0
-    w.input_len = w.output_len = LengthDist("fixed", SPEED_PROBE_TOKENS)
-    w.output_len_given = True
-    cfg.target.ignore_eos = True
-    outcome = asyncio.run(Benchmark(cfg).run())
-    return outcome.results["runs"][0]["latency"]["itl"].get("p50")
-
-
 def bench_rates(card, rates: list[float], out_dir: Path, requests: int, seed_base: int, base_url: str | None = None,
                 server_config: dict | None = None, arrival: str | None = None,
-                burstiness: float | None = None, speed_probe: bool = False) -> list[tuple[float, object, dict]]:
+                burstiness: float | None = None) -> list[tuple[float, object, dict]]:
     """`inferlab bench` at each rate against one server (the card's, started here, unless base_url): (rate, the card
     as run, its measured run). Rate i runs with seed seed_base + i, so no point's prompts are in the server's prefix
-    cache from an earlier point (the same seed draws the same prompts, which would then cost a few tokens each).
-    speed_probe: time `run_speed_probe` just before each rate, as the run's "probe_itl"."""
+    cache from an earlier point (the same seed draws the same prompts, which would then cost a few tokens each)."""
     import asyncio
     import time
 
@@ -526,11 +477,9 @@ def bench_rates(card, rates: list[float], out_dir: Path, requests: int, seed_bas
             cfg.num_requests, cfg.duration = requests, None
             print(f"bench at {rate:g} req/s ({requests} requests + {cfg.warmup} warmup, seed {seed_base + i}) ...",
                   file=sys.stderr)
-            probe = run_speed_probe(card_k, base_url, out_dir / f"probe-{rate:g}") if speed_probe else None
             t0 = time.perf_counter()  # the clock a step trace stamps steps with (CLOCK_MONOTONIC)
             outcome = asyncio.run(Benchmark(cfg).run())
-            measured = {**outcome.results["runs"][0], "path": str(outcome.path), "window": (t0, time.perf_counter()),
-                        "probe_itl": probe}
+            measured = {**outcome.results["runs"][0], "path": str(outcome.path), "window": (t0, time.perf_counter())}
             points.append((rate, card_k, measured))
             if outcome.interrupted:
                 break
@@ -584,8 +533,6 @@ def print_validation(points: list[dict]) -> None:
                 (lambda v: "–" if v is None else f"{v:.3g}")
             err = "–" if r["rel_error"] is None or math.isnan(r["rel_error"]) else f"{r['rel_error']:+.0%}"
             t.add_row(f"{p['rate']:g}", r["metric"], fmt(r["measured"]), fmt(r["predicted"]), err)
-        if p.get("host_speed") is not None:
-            t.add_row(f"{p['rate']:g}", "host speed (costs x)", "", f"{p['host_speed']:.3f}", "")
         if "meets_measured" in p:
             yes = {True: "yes", False: "no"}
             t.add_row(f"{p['rate']:g}", "meets the card", yes[p["meets_measured"]], yes[p["meets_predicted"]], "",

@@ -27,7 +27,6 @@ request's entry into the scheduler. Only black-box calibration (measured at the 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -131,9 +130,6 @@ class StepCost:
     hardware: dict = field(default_factory=dict)  # name, bandwidth (B/s), flops (FLOP/s at the dtype served)
     fit: FitQuality = field(default_factory=FitQuality)
     notes: list[str] = field(default_factory=list)
-    # The host's speed while the profile was measured: the median, over the calibration's rates, of the speed
-    # probe's ITL p50 (seconds; one request alone before each rate: run_speed_probe in lab/simulate_cli.py). None: not probed.
-    probe_itl: float | None = None
 
     def coefficients(self) -> np.ndarray:
         return np.array([getattr(self, c) for c in COEFFICIENTS], dtype=np.float64)
@@ -162,18 +158,6 @@ class StepCost:
                                   f"compute terms x{src_flops / flops:.3g}"]
         return out
 
-    def at_speed(self, k: float) -> "StepCost":
-        """The same server on a host k times slower (k < 1: faster): every time term, the request overhead
-        included, times k. A shared host's speed moves by up to 1.5x for a minute at a time (measured: the same
-        server's ITL p50 11.3 and 15.3 ms minutes apart), more than the accuracy asked of a prediction."""
-        if not (k > 0 and math.isfinite(k)):
-            raise ValueError(f"a host speed factor must be a positive number, got {k!r}")
-        out = StepCost(**{f.name: getattr(self, f.name) for f in fields(self)})
-        for c in (*COEFFICIENTS, "request_overhead"):
-            setattr(out, c, getattr(self, c) * k)
-        out.notes = [*self.notes, f"times {k:.3g} for the host's speed (speed probe)"]
-        return out
-
     # -- the profile file ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"schema": "inferlab.step_cost/1", **asdict(self)}
@@ -192,9 +176,6 @@ class StepCost:
         for c in COEFFICIENTS:
             if c in kw and not (isinstance(kw[c], (int, float)) and kw[c] >= 0):
                 raise ValueError(f"step-cost profile: {c} must be a non-negative number of seconds, got {kw[c]!r}")
-        probe = kw.get("probe_itl")
-        if probe is not None and not (isinstance(probe, (int, float)) and probe > 0):
-            raise ValueError(f"step-cost profile: probe_itl must be a positive number of seconds, got {probe!r}")
         noise = kw.get("step_noise", [])
         if not (isinstance(noise, list) and all(isinstance(v, (int, float)) and v > 0 for v in noise)):
             raise ValueError("step-cost profile: step_noise must be a list of positive ratios")
