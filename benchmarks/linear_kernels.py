@@ -8,7 +8,9 @@ down; random values, real shapes: 212 MB in bf16, far more than the caches) with
   gemv (no oneDNN)   F.linear with oneDNN switched off: torch's own kernel, a matrix-vector product per row
   oneDNN packed      oneDNN with the weight reordered ahead of time (layers/packed_linear.py's fallback)
   inferlab packed    inferlab's layout and kernel (kernels/packed_gemm.cpp; what the layers use where it is built)
-and prints milliseconds per pass and the weight bytes read per second.
+and prints milliseconds per pass and the weight bytes read per second. A last column runs inferlab's int4 kernel
+(kernels/gemv.cpp: Q4_1 nibbles, group 32, int8 activations) on random nibbles of the same shapes; its GB/s count
+the int4 bytes it reads (nibbles and fp16 scales and minimums: 20 bytes a group of 32).
 """
 
 from __future__ import annotations
@@ -46,9 +48,14 @@ def main() -> None:
     kernels = gemv_kernels()
     ours = [[pack_bf16(w) for w in layer] for layer in weights] if kernels is not None else None
     nbytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+    q4 = [(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=g),
+           (torch.rand(o, i // 32, generator=g) * 0.01).half().view(torch.int16),
+           (torch.rand(o, i // 32, generator=g) * -0.1).half().view(torch.int16))
+          for _ in range(args.layers) for o, i in SHAPES]
+    q4_bytes = sum(q.numel() + 2 * d.numel() * 2 for q, d, _ in q4)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {nbytes / 1e6:.0f} MB of bf16 weights")
-    print(f"{'rows':>5} {'F.linear ms':>12} {'gemv ms':>9} {'oneDNN packed':>14} {'inferlab packed':>16}   "
-          "GB/s: linear / gemv / oneDNN / inferlab")
+    print(f"{'rows':>5} {'F.linear ms':>12} {'gemv ms':>9} {'oneDNN packed':>14} {'inferlab packed':>16} "
+          f"{'int4 ms':>8}   GB/s: linear / gemv / oneDNN / inferlab / int4")
     for m in args.rows:
         xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}
 
@@ -74,9 +81,15 @@ def main() -> None:
                 for w, p in zip(layer, players):
                     kernels.packed_linear(xs[w.shape[1]], p, w.shape[0])
 
+        def int4():
+            for q, d, mn in q4:
+                kernels.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32)
+
         t = [best_of(f) for f in (linear, gemv, pack)] + ([best_of(inferlab)] if ours is not None else [float("nan")])
-        print(f"{m:>5} {t[0] * 1e3:>12.2f} {t[1] * 1e3:>9.2f} {t[2] * 1e3:>14.2f} {t[3] * 1e3:>16.2f}   "
-              + " / ".join(f"{nbytes / x / 1e9:.1f}" for x in t), flush=True)
+        t4 = best_of(int4) if kernels is not None else float("nan")
+        print(f"{m:>5} {t[0] * 1e3:>12.2f} {t[1] * 1e3:>9.2f} {t[2] * 1e3:>14.2f} {t[3] * 1e3:>16.2f} "
+              f"{t4 * 1e3:>8.2f}   " + " / ".join(f"{nbytes / x / 1e9:.1f}" for x in t)
+              + f" / {q4_bytes / t4 / 1e9:.1f}", flush=True)
 
 
 if __name__ == "__main__":
