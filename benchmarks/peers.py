@@ -170,9 +170,11 @@ def serving(name: str, model: str, ready_timeout: float):
 def interleaved_c1(names: list[str], model: str, rounds: int, ready_timeout: float, quick: bool) -> dict:
     """One stream is where the host's drift shows most (its memory bandwidth moved 1.5-2x within minutes on the
     2-core machine, and a batch-1 step is bandwidth-bound), so comparing targets measured minutes apart compares
-    moments as much as servers. Here every target serves at once (idle ones take no CPU) and each round runs the
-    c1 workload on each in turn, a bandwidth probe first, the order rotating between rounds: each round's ratios
-    compare runs seconds apart. Returns {"rounds": [{"bandwidth": {...}, target: row, ...}, ...]}."""
+    moments as much as servers. Here every target serves at once and each round runs the c1 workload on each in
+    turn, a bandwidth probe first, the order rotating between rounds: each round's ratios compare runs seconds
+    apart. Each row records the measured server's share of the machine's CPU and the idle servers' together
+    (idle_servers_cpu_frac: what waiting peers cost the one measured). Returns {"rounds": [{"bandwidth": {...},
+    target: row, ...}, ...]}."""
     out: list[dict] = []
     with contextlib.ExitStack() as stack:
         up = {}
@@ -186,9 +188,14 @@ def interleaved_c1(names: list[str], model: str, rounds: int, ready_timeout: flo
             order = list(up)[r % max(1, len(up)):] + list(up)[:r % max(1, len(up))]
             for name in order:
                 proc, base, t = up[name]
+                cpu0 = {n: tree_jiffies(p.pid) for n, (p, _, _) in up.items()}
+                _, tot0 = cpu_jiffies()
                 res, busy = run_bench(base, t.model_name, "c1", Path(tempfile.mkdtemp(prefix=f"peer-{name}-c1r-")),
                                       quick)
-                rnd[name] = summarize(res) | {"machine_busy_frac": busy}
+                _, tot1 = cpu_jiffies()
+                used = {n: (tree_jiffies(p.pid) - cpu0[n]) / max(1, tot1 - tot0) for n, (p, _, _) in up.items()}
+                rnd[name] = summarize(res) | {"machine_busy_frac": busy, "server_cpu_frac": used[name],
+                                              "idle_servers_cpu_frac": sum(v for n, v in used.items() if n != name)}
             out.append(rnd)
             bw = rnd["bandwidth"]
             print(f"   round {r + 1}: read bandwidth {bw['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (bf16 bound "
@@ -351,7 +358,8 @@ def main() -> int:
                     row["idle_rss_bytes"], row["idle_pss_bytes"] = idle.rss, idle.pss
                     row["peak_rss_bytes"] = peak.rss
                     results[name][wl] = row
-                    print(f"   {wl:8s} {row['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
+                    print(f"   {wl:8s} {row['output_tokens_per_s']:8.1f} tok/s  "
+                          f"TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
                           f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
                           f"busy {busy_frac:.2f} (server {server_frac:.2f})  peak RSS {peak.rss / MiB:.0f} MiB",
                           flush=True)
@@ -428,9 +436,9 @@ def print_interleaved(rounds: list[dict]) -> None:
             vs_llama = f"{c:.2f}x"
         print(f"| {i} | {bw['bandwidth_bytes_per_s'] / 1e9:.1f} | {bound:.1f} ({ms:.2f}) | " + " | ".join(cells)
               + f" | {vs_bound} | {vs_llama} |")
-    med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731
-    print(f"median over rounds: bf16 bound / tok/s {med(cols.get('bound', [])):.2f}, ITL p50 / bound's ms "
-          f"{med(cols.get('itl', [])):.2f}; int4 / llama-server {med(cols.get('llama', [])):.2f}x")
+    med = lambda v, unit="": f"{statistics.median(v):.2f}{unit}" if v else "—"  # noqa: E731
+    print(f"median over rounds: bf16 bound / tok/s {med(cols.get('bound', []))}, ITL p50 / bound's ms "
+          f"{med(cols.get('itl', []))}; int4 / llama-server {med(cols.get('llama', []), 'x')}")
 
 
 if __name__ == "__main__":

@@ -393,8 +393,8 @@ inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 
 // Two 32-byte chunks (four groups) a step in 512-bit registers, an odd last chunk in 256-bit ones.
 template <int MB, int NB>
-inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w, const uint16_t* d,
-                         float* out /*[MB][NB]*/) {
+inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w,
+                         const uint16_t* d, float* out /*[MB][NB]*/) {
   const int64_t ldw = K / 2, ldd = K / 32, chunks = K / 64;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i four_groups = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -442,7 +442,8 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
         const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa));
         const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 64));
         const __m256i i = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, xlo), hi, xhi);
-        const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dv, _mm256_loadu_ps(sxv + (m * chunks + c) * 8)));
+        const __m256 sx = _mm256_loadu_ps(sxv + (m * chunks + c) * 8);
+        const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dv, sx));
         const __m128 h = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
         const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
         out[m * NB + n] += _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
