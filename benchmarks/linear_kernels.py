@@ -10,7 +10,8 @@ down; random values, real shapes: 212 MB in bf16, far more than the caches) with
   inferlab packed    inferlab's layout and kernel (kernels/packed_gemm.cpp; what the layers use where it is built)
 and prints milliseconds per pass and the weight bytes read per second. A last column runs inferlab's int4 kernel
 (kernels/gemv.cpp: Q4_1 nibbles, group 32, int8 activations) on random nibbles of the same shapes; its GB/s count
-the int4 bytes it reads (nibbles and fp16 scales and minimums: 20 bytes a group of 32).
+the int4 bytes it reads (nibbles and fp16 scales and minimums: 20 bytes a group of 32). A last line times the
+int8 LM head the int4 mode keeps (49152 x 576, inferlab's int8 kernel) at one token.
 """
 
 from __future__ import annotations
@@ -90,6 +91,12 @@ def main() -> None:
         print(f"{m:>5} {t[0] * 1e3:>12.2f} {t[1] * 1e3:>9.2f} {t[2] * 1e3:>14.2f} {t[3] * 1e3:>16.2f} "
               f"{t4 * 1e3:>8.2f}   " + " / ".join(f"{nbytes / x / 1e9:.1f}" for x in t)
               + f" / {q4_bytes / t4 / 1e9:.1f}", flush=True)
+    if kernels is not None:
+        head = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g)
+        scale = torch.rand(49152, generator=g)
+        x = torch.randn(1, 576, generator=g).bfloat16()
+        t = best_of(lambda: kernels.int8_linear(x, head, scale))
+        print(f"int8 LM head 49152 x 576, 1 token: {t * 1e3:.3f} ms, {head.numel() / t / 1e9:.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":
