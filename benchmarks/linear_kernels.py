@@ -10,8 +10,10 @@ down; random values, real shapes: 212 MB in bf16, far more than the caches) with
   inferlab packed    inferlab's layout and kernel (kernels/packed_gemm.cpp; what the layers use where it is built)
 and prints milliseconds per pass and the weight bytes read per second. A last column runs inferlab's int4 kernel
 (kernels/gemv.cpp: Q4_1 nibbles, group 32, int8 activations) on random nibbles of the same shapes; its GB/s count
-the int4 bytes it reads (nibbles and fp16 scales and minimums: 20 bytes a group of 32). A last line times the
-int8 LM head the int4 mode keeps (49152 x 576, inferlab's int8 kernel) at one token.
+the int4 bytes it reads (nibbles and fp16 scales and minimums: 20 bytes a group of 32); the next, `--quantization
+w8a8`'s kernel (kernels/w8a8_gemm.cpp: int8 weights, activations rounded to int8 per 32) on the same shapes, and
+the weight-only int8 kernel the int8 mode uses for small steps (up to 64 rows); their GB/s count the int8 bytes. A
+last line times the int8 LM head the int4 mode keeps (49152 x 576, inferlab's int8 kernel) at one token.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 
 from inferlab.kernels import gemv_kernels
 from inferlab.layers.packed_linear import pack_bf16
+from inferlab.quant.int8 import quantize_int8
+from inferlab.quant.w8a8 import pack_w8a8
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's four matmuls
 
@@ -40,7 +44,7 @@ def best_of(fn, repeats: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 512])
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
@@ -54,9 +58,12 @@ def main() -> None:
            (torch.rand(o, i // 32, generator=g) * -0.1).half().view(torch.int16))
           for _ in range(args.layers) for o, i in SHAPES]
     q4_bytes = sum(q.numel() + 2 * d.numel() * 2 for q, d, _ in q4)
+    q8 = [quantize_int8(w) for layer in weights for w in layer]
+    w8 = [(pack_w8a8(q), s, q.shape[0]) for q, s in q8]
+    q8_bytes = sum(q.numel() for q, _ in q8)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {nbytes / 1e6:.0f} MB of bf16 weights")
     print(f"{'rows':>5} {'F.linear ms':>12} {'gemv ms':>9} {'oneDNN packed':>14} {'inferlab packed':>16} "
-          f"{'int4 ms':>8}   GB/s: linear / gemv / oneDNN / inferlab / int4")
+          f"{'int4 ms':>8} {'w8a8 ms':>8} {'int8 ms':>8}   GB/s: linear / gemv / oneDNN / inferlab / int4 / w8a8")
     for m in args.rows:
         xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}
 
@@ -86,11 +93,22 @@ def main() -> None:
             for q, d, mn in q4:
                 kernels.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32)
 
-        t = [best_of(f) for f in (linear, gemv, pack)] + ([best_of(inferlab)] if ours is not None else [float("nan")])
-        t4 = best_of(int4) if kernels is not None else float("nan")
+        def w8a8():
+            for p, s, n in w8:
+                kernels.w8a8_linear(xs[p.shape[1] * 4], p, s, n)
+
+        def int8():
+            for q, s in q8:
+                kernels.int8_linear(xs[q.shape[1]], q, s)
+
+        nan = float("nan")
+        t = [best_of(f) for f in (linear, gemv, pack)] + ([best_of(inferlab)] if ours is not None else [nan])
+        t4, t8 = (best_of(int4), best_of(w8a8)) if kernels is not None else (nan, nan)
+        ti8 = best_of(int8) if kernels is not None and m <= 64 else nan
         print(f"{m:>5} {t[0] * 1e3:>12.2f} {t[1] * 1e3:>9.2f} {t[2] * 1e3:>14.2f} {t[3] * 1e3:>16.2f} "
-              f"{t4 * 1e3:>8.2f}   " + " / ".join(f"{nbytes / x / 1e9:.1f}" for x in t)
-              + f" / {q4_bytes / t4 / 1e9:.1f}", flush=True)
+              f"{t4 * 1e3:>8.2f} {t8 * 1e3:>8.2f} {ti8 * 1e3:>8.2f}   "
+              + " / ".join(f"{nbytes / x / 1e9:.1f}" for x in t)
+              + f" / {q4_bytes / t4 / 1e9:.1f} / {q8_bytes / t8 / 1e9:.1f}", flush=True)
     if kernels is not None:
         head = torch.randint(-127, 128, (49152, 576), dtype=torch.int8, generator=g)
         scale = torch.rand(49152, generator=g)

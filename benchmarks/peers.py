@@ -78,7 +78,8 @@ class Target:
 
 # --model -> (the GGUF's locator in inferlab.common.bundled, the name peers serve it under, default targets)
 MODELS = {
-    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-unbounded,vllm,llamacpp-server"),
+    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-w8a8,inferlab-unbounded,vllm,"
+                "llamacpp-server"),
     "gemma3": ("gemma3_model_path", "gemma3", "inferlab,inferlab-int8,inferlab-int4,llamacpp-server"),
 }
 
@@ -108,6 +109,7 @@ def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> d
         "inferlab": Target("inferlab", serve + extra.get("inferlab", [])),
         "inferlab-int4": Target("inferlab-int4", serve + ["--quantization", "int4"] + extra.get("inferlab-int4", [])),
         "inferlab-int8": Target("inferlab-int8", serve + ["--quantization", "int8"] + extra.get("inferlab-int8", [])),
+        "inferlab-w8a8": Target("inferlab-w8a8", serve + ["--quantization", "w8a8"] + extra.get("inferlab-w8a8", [])),
         # no bound on the prefill beside running decodes (the default before engine/step_budget.py)
         "inferlab-unbounded": Target("inferlab-unbounded", serve + ["--decode-stall-ratio", "none"]
                                      + extra.get("inferlab-unbounded", [])),

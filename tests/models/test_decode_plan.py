@@ -40,14 +40,15 @@ def _compare_with_and_without(llm: LLM, monkeypatch) -> None:
     model.decode_plan = plan
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "w8a8"])
 def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
     llm = LLM(quantization=quantization, dtype="bfloat16", kv_cache_memory=64 * 2**20)
     model = llm.engine.runner.model.model
     assert model.decode_plan is not None
     kernels = cpu_kernels()
     # Every projection is handed to C++ as the kind of layer it is (the tied LM head is not a layer's projection).
-    kind = {"none": kernels.ProjKind.PACKED, "int8": kernels.ProjKind.INT8, "int4": kernels.ProjKind.INT4}
+    kind = {"none": kernels.ProjKind.PACKED, "int8": kernels.ProjKind.INT8, "int4": kernels.ProjKind.INT4,
+            "w8a8": kernels.ProjKind.W8A8}
     assert {getattr(layer, n).kind for layer in model.decode_plan.layers
             for n in ("qkv", "o", "gate_up", "down")} == {kind[quantization]}
     assert all(layer.q_norm is None and layer.post_attn_norm is None for layer in model.decode_plan.layers)

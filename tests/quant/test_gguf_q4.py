@@ -7,6 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from int8_activations import int8_groups
 
 from inferlab.kernels import gemv_kernels
 from inferlab.quant import quantize_weight
@@ -40,16 +41,6 @@ def test_q4_1_direct_is_exact(seed):
     assert torch.equal(layer.m.view(torch.int16), torch.from_numpy(blocks[..., 2:4].copy().view(np.int16)[..., 0]))
 
 
-def _int8_groups(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 as the W4A8 kernel quantizes it (kernels/gemv.cpp, quantize_int8_groups): per group of 32,
-    a = round(x * (127 / max|x|)) in fp32, half to even; returned dequantized, a * max|x| / 127, in float64."""
-    g = x.reshape(x.shape[0], -1, 32)
-    amax = g.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
-    a = torch.round(g * inv)
-    return (a.double() * (amax / 127.0).double()).reshape(x.shape)
-
-
 @needs_gemv_kernels
 @pytest.mark.parametrize("k", [256, 576, 192])  # 576 and 192: an odd number of 64-column chunks
 def test_q4_1_kernel_multiplies_by_the_file_values(k):
@@ -68,7 +59,7 @@ def test_q4_1_kernel_multiplies_by_the_file_values(k):
         x[0, :32] *= 100  # a group with an outlier: its own scale, not the row's
         y = layer._kernel_mm(layer.find_kernels(), x).double()
         scale = (x.double().abs() @ ref.abs().T).max()
-        assert torch.allclose(y, _int8_groups(x) @ ref.T, rtol=0, atol=1e-5 * scale)
+        assert torch.allclose(y, int8_groups(x) @ ref.T, rtol=0, atol=1e-5 * scale)
         # ...which is within int8 rounding (half of max|x| / 127 a value, per group) of the exact product
         assert torch.allclose(y, x.double() @ ref.T, rtol=0, atol=0.01 * scale)
 

@@ -12,7 +12,7 @@ import torch
 
 from inferlab import LLM, SamplingParams
 from inferlab.lab import eval as ev
-from inferlab.quant import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
+from inferlab.quant import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear, W8A8Linear
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ TEXT = ("The lighthouse on Grey Point had been automatic for eleven years, but n
 PROMPTS = ["The capital of France is", [{"role": "user", "content": "What is 12 + 7?"}], "def add(a, b):\n    return"]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "w8a8"])
 def qllm(request):
     return LLM(quantization=request.param, kv_cache_memory=64 * 2**20)
 
@@ -29,7 +29,7 @@ def qllm(request):
 def test_loads_through_the_intended_path(qllm, llm_fp32):
     scheme = qllm.engine.config.quantization
     model = qllm.engine.runner.model
-    layer_cls = Int8Linear if scheme == "int8" else Int4Linear
+    layer_cls = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}[scheme]
     assert all(isinstance(model.model.layers[i].mlp.down_proj, layer_cls) for i in range(len(model.model.layers)))
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, Int8Linear)
@@ -39,8 +39,8 @@ def test_loads_through_the_intended_path(qllm, llm_fp32):
     else:
         assert "120 linear layers requantized from GGUF Q4_1" in path
     assert "requantized from GGUF Q8_0" in path  # the tied head/embedding
-    # fp32 weights are 4 bytes a parameter; int8 ~1 and int4 ~0.6 (plus fp32 norms), head int8 in both.
-    assert qllm.engine.weight_bytes < llm_fp32.engine.weight_bytes * (0.3 if scheme == "int8" else 0.22)
+    # fp32 weights are 4 bytes a parameter; int8 ~1 and int4 ~0.6 (plus fp32 norms), head int8 in all.
+    assert qllm.engine.weight_bytes < llm_fp32.engine.weight_bytes * (0.22 if scheme == "int4" else 0.3)
 
 
 def test_generates_and_tracks_the_float_model(qllm, llm_fp32):

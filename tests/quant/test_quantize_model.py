@@ -11,7 +11,7 @@ from torch import nn
 from inferlab.models.config import ModelConfig
 from inferlab.models.llama import LlamaForCausalLM
 from inferlab.quant import (HEAD_MAX_KERNEL_TOKENS, Int4Linear, Int8Linear, QuantEmbedding, RawGGUFWeight,
-                            quantize_model)
+                            W8A8Linear, quantize_model)
 
 CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64)
@@ -45,7 +45,7 @@ def unique_bytes(net: nn.Module) -> int:
 IDS = torch.randint(0, CFG.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("scheme,tol", [("int8", 0.03), ("int4", 0.25)])
+@pytest.mark.parametrize("scheme,tol", [("int8", 0.03), ("int4", 0.25), ("w8a8", 0.03)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_model_tracks_the_float_model(scheme, tol, dtype):
     net = tiny_model(dtype)
@@ -53,8 +53,9 @@ def test_quantized_model_tracks_the_float_model(scheme, tol, dtype):
     before = unique_bytes(net)
     desc = quantize_model(net, scheme, 32)
     assert not [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
-    assert isinstance(net.model.layers[1].mlp.gate_up_proj, Int8Linear if scheme == "int8" else Int4Linear)
-    assert isinstance(net.lm_head, Int8Linear)  # the tied head's default scheme is int8 for both
+    layer_cls = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}[scheme]
+    assert isinstance(net.model.layers[1].mlp.gate_up_proj, layer_cls)
+    assert isinstance(net.lm_head, Int8Linear)  # the tied head's default scheme is int8 for all
     assert net.lm_head.max_kernel_tokens == HEAD_MAX_KERNEL_TOKENS
     assert isinstance(net.model.embed_tokens, QuantEmbedding)
     assert desc.startswith(scheme) and "8 linear layers quantized from" in desc and "lm_head (tied to" in desc

@@ -19,10 +19,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)", nogil);
   m.def("packed_linear", &packed_linear, "x @ w.T for a bf16 weight in inferlab's packed layout (CPU)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("fp32_out") = false, nogil);
+  m.def("w8a8_linear", &w8a8_linear,
+        "x @ (q * scale).T for int8 weights in inferlab's W8A8 layout, activations rounded to int8 per 32 (CPU)",
+        nogil);
   pybind11::enum_<ProjKind>(m, "ProjKind")
       .value("PACKED", ProjKind::PACKED)
       .value("INT8", ProjKind::INT8)
-      .value("INT4", ProjKind::INT4);
+      .value("INT4", ProjKind::INT4)
+      .value("W8A8", ProjKind::W8A8);
   pybind11::class_<PlanLinear>(m, "PlanLinear")
       .def(pybind11::init<>())
       .def_readwrite("kind", &PlanLinear::kind)

@@ -13,7 +13,8 @@
 //   INT8 (quant/int8.py: a = q, b = scales) and INT4 (quant/int4.py: a = q, b = d, c = m as int16 bits, group):
 //   inferlab's kernel for steps of up to kernel_max_tokens rows, the packed bf16 copy of the dequantized weight
 //   beyond (where there is one; else the plan only runs steps the kernel takes), as QuantLinear.forward does.
-enum class ProjKind : int64_t { PACKED, INT8, INT4 };
+//   W8A8 (quant/w8a8.py: a = the packed int8 weight, b = scales): w8a8_gemm.cpp's kernel at every step size.
+enum class ProjKind : int64_t { PACKED, INT8, INT4, W8A8 };
 
 struct PlanLinear {
   ProjKind kind = ProjKind::PACKED;
@@ -24,6 +25,7 @@ struct PlanLinear {
   int64_t out_features = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == ProjKind::W8A8) return w8a8_linear(x, a, b, out_features);
     if (kind == ProjKind::PACKED || x.size(0) > kernel_max_tokens) {
       TORCH_CHECK(packed.defined(), "a step of ", x.size(0), " tokens is past this projection's kernel");
       return packed_linear(x, packed, out_features, false);

@@ -18,12 +18,13 @@ from inferlab.quant.gguf_q4 import RawGGUFWeight, dequantize_raw, q4_1_blocks, q
 from inferlab.quant.int4 import Int4Linear, check_int4_shape, pack_int4
 from inferlab.quant.int8 import Int8Linear
 from inferlab.quant.linear import QuantLinear
+from inferlab.quant.w8a8 import W8A8Linear, check_w8a8_shape
 
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "int8", "int4", "w8a8")
 # The tied embedding/LM head's scheme per model scheme. int4 keeps it int8, as llama.cpp's Q4_1 files keep it
 # Q8_0. Measured on SmolLM2-135M, corpus perplexity vs none (bf16) 10.615: int4 layers + int8 head 10.634
 # (+0.2%), int4 layers + int4 head 11.240 (+5.9%): the 4-bit head costs 30x more than all 4-bit layers together.
-HEAD_SCHEME = {"int8": "int8", "int4": "int8"}
+HEAD_SCHEME = {"int8": "int8", "int4": "int8", "w8a8": "int8"}
 
 # GGUF types that hold a weight in more than 4 bits. A quantized file that mixes widths (a Q4_K_M keeps some layers
 # Q5_0 or Q6_K) kept those wide on purpose, and --quantization int4 keeps them at int8 instead of cutting them to 4
@@ -37,7 +38,7 @@ WIDE_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8
 HEAD_MAX_KERNEL_TOKENS = 24
 
 __all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "WIDE_GGUF_TYPES", "Int4Linear", "Int8Linear",
-           "QuantEmbedding", "QuantLinear", "RawGGUFWeight", "quantize_model", "quantize_weight"]
+           "QuantEmbedding", "QuantLinear", "RawGGUFWeight", "W8A8Linear", "quantize_model", "quantize_weight"]
 
 
 def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
@@ -61,6 +62,8 @@ def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
         return Int8Linear.from_float(src), how
     if scheme == "int4":
         return Int4Linear.from_float(src, group_size), how
+    if scheme == "w8a8":
+        return W8A8Linear.from_float(src), how
     raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
 
@@ -88,10 +91,11 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
         raise ValueError(f"--quantization {scheme} needs bias-free linear layers (inferlab's int8/int4 kernels have "
                          f"no bias), but {biased[0]} has a bias ({len(biased)} layers do, e.g. Qwen2's Q/K/V "
                          f"projections); serve this model with --quantization none")
-    if scheme == "int4":  # fail before changing anything
+    if scheme in ("int4", "w8a8"):  # fail before changing anything
+        check = {"int4": lambda shape: check_int4_shape(shape, group_size), "w8a8": check_w8a8_shape}[scheme]
         for name, m in linears:
             try:
-                check_int4_shape(tuple(m.weight.shape), group_size)
+                check(tuple(m.weight.shape))
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
     embeddings = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}

@@ -34,10 +34,7 @@ class Int8Linear(QuantLinear):
     scheme = "int8"
     # From `python benchmarks/quantization.py kernels`: see docs/benchmarks.md (quantization).
     max_kernel_tokens = 16
-    # Large steps may instead quantize the activations too (per token, symmetric int8) and use torch._int_mm:
-    # 1.4-2x faster than bf16 from 32 tokens on, but W8A8 rather than weight-only: measured on SmolLM2-135M it
-    # raises corpus perplexity 5.1% over bf16 (weight-only int8: +0.4%), so it stays off.
-    dynamic_activations = False
+    # Activations stay unrounded here; quant/w8a8.py rounds them to int8 too, for VNNI (--quantization w8a8).
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
         super().__init__(qweight.shape[1], qweight.shape[0])
@@ -52,15 +49,6 @@ class Int8Linear(QuantLinear):
         q, s = (self.qweight, self.scales) if rows is None else (self.qweight[rows], self.scales[rows])
         # q (|q| <= 127) and s are exact in bf16 and in fp32, so computing in `dtype` rounds the product once.
         return q.to(dtype) * s.to(dtype)[:, None]
-
-    def dense_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.dynamic_activations and self.kernel_available()):
-            return super().dense_mm(x)
-        # Per-token scales keep each row's result independent of the others (int32 accumulation is exact).
-        a = x.float().abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(QMAX)
-        xq = torch.round(x.float() / a).to(torch.int8)
-        y = torch._int_mm(xq, self.qweight.t()).float()
-        return y.mul_(a).mul_(self.scales.float()).to(x.dtype)
 
     def find_kernels(self):
         # Where inferlab's kernels are built without AVX-512 BF16, torch's own int8 kernel still beats dequantizing
