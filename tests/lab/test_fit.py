@@ -63,7 +63,7 @@ def test_seed_figures_for_a_7b_model():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("scheme", ["none", "int8", "int4"])
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4", "w8a8"])
 def test_weight_memory_equals_the_engine_quantized_model(tied, scheme):
     """The engine's own quantizer is the oracle: build a small Llama, quantize it as the engine does, count its
     bytes (parameters and quantized buffers, each tensor once; the rotary tables are not weights)."""
@@ -167,6 +167,11 @@ def test_prefill_roofline_hand_computed():
     assert r.prefill.flops == flops
     assert r.prefill.compute_ms == pytest.approx(flops / 989.5e12 * 1e3)
     assert r.prefill.bound == "compute"
+    # w8a8 computes at the int8 rate where the hardware has one; int8 weight-only keeps bf16's
+    w8 = fit(spec, H100, FitRequest(context=4096, prompt_len=2000, quantization="w8a8"))
+    assert w8.prefill.compute_ms == pytest.approx(flops / 1979e12 * 1e3)
+    assert fit(spec, H100, FitRequest(context=4096, prompt_len=2000, quantization="int8")).prefill.compute_ms == \
+        pytest.approx(r.prefill.compute_ms)
 
 
 def test_compute_bound_batch_closed_form():

@@ -16,7 +16,7 @@ from inferlab.lab.hardware import Hardware
 from inferlab.lab.model_presets import ModelSpec
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "fp8": 1}
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -44,8 +44,8 @@ class QuantScheme:
 def quant_scheme(name: str, dtype: str = "bf16", group_size: int = 32) -> QuantScheme:
     if name == "none":
         return QuantScheme("none", 8 * DTYPE_BYTES[dtype])
-    if name == "int8":
-        return QuantScheme("int8", 8, 0)
+    if name in ("int8", "w8a8"):  # the same weights; w8a8 also rounds the activations (to compute in int8)
+        return QuantScheme(name, 8, 0)
     if name == "int4":
         if group_size < 1:
             raise ValueError(f"int4 group size must be a positive number of weights, got {group_size}")
@@ -342,6 +342,9 @@ def fit(spec: ModelSpec, hw: Hardware, req: FitRequest | None = None) -> FitRepo
         notes.append("hardware figures are this machine's measured rates, not datasheet peaks")
 
     peak = hw.peak_flops(req.dtype)
+    if req.quantization == "w8a8" and "int8" in hw.flops:
+        peak = hw.peak_flops("int8")
+        notes.append("w8a8: the matmuls at the hardware's int8 rate")
     balance = peak / hw.bandwidth
     m = _Model(spec, w, kv_db, DTYPE_BYTES[req.dtype])
     batches = sorted({1, req.concurrency})
