@@ -32,7 +32,8 @@ def test_loads_through_the_intended_path(qllm, llm_fp32):
     layer_cls = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}[scheme]
     assert all(isinstance(model.model.layers[i].mlp.down_proj, layer_cls) for i in range(len(model.model.layers)))
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert isinstance(model.model.embed_tokens, QuantEmbedding) and isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.model.embed_tokens, QuantEmbedding)
+    assert isinstance(model.lm_head, W8A8Linear if scheme == "w8a8" else Int8Linear)
     path = qllm.engine.quant_path
     if scheme == "int4":  # the bundled file is Q4_1: no requantization of the layers
         assert "210 linear layers" not in path and "120 linear layers GGUF Q4_1 blocks loaded directly" in path

@@ -55,8 +55,10 @@ def test_quantized_model_tracks_the_float_model(scheme, tol, dtype):
     assert not [n for n, m in net.named_modules() if isinstance(m, nn.Linear)]
     layer_cls = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}[scheme]
     assert isinstance(net.model.layers[1].mlp.gate_up_proj, layer_cls)
-    assert isinstance(net.lm_head, Int8Linear)  # the tied head's default scheme is int8 for all
-    assert net.lm_head.max_kernel_tokens == HEAD_MAX_KERNEL_TOKENS
+    # the tied head's default scheme: int8 under int8 and int4, w8a8 under w8a8
+    head_cls = W8A8Linear if scheme == "w8a8" else Int8Linear
+    assert isinstance(net.lm_head, head_cls)
+    assert net.lm_head.max_kernel_tokens == max(HEAD_MAX_KERNEL_TOKENS, head_cls.max_kernel_tokens)
     assert isinstance(net.model.embed_tokens, QuantEmbedding)
     assert desc.startswith(scheme) and "8 linear layers quantized from" in desc and "lm_head (tied to" in desc
     out = logits(net, IDS)

@@ -24,7 +24,9 @@ SCHEMES = ("none", "int8", "int4", "w8a8")
 # The tied embedding/LM head's scheme per model scheme. int4 keeps it int8, as llama.cpp's Q4_1 files keep it
 # Q8_0. Measured on SmolLM2-135M, corpus perplexity vs none (bf16) 10.615: int4 layers + int8 head 10.634
 # (+0.2%), int4 layers + int4 head 11.240 (+5.9%): the 4-bit head costs 30x more than all 4-bit layers together.
-HEAD_SCHEME = {"int8": "int8", "int4": "int8", "w8a8": "int8"}
+# w8a8 keeps its own: 10.675 with the head in w8a8, 10.680 with it int8 weight-only, and at 64 rows a step its
+# kernel took the head from 6.3 to 3.1 ms (`benchmarks/step_profile.py`).
+HEAD_SCHEME = {"int8": "int8", "int4": "int8", "w8a8": "w8a8"}
 
 # GGUF types that hold a weight in more than 4 bits. A quantized file that mixes widths (a Q4_K_M keeps some layers
 # Q5_0 or Q6_K) kept those wide on purpose, and --quantization int4 keeps them at int8 instead of cutting them to 4

@@ -66,10 +66,11 @@ class W8A8Linear(QuantLinear):
         return 0  # the kernel beats the bf16 GEMM at every step size: no bf16 copy
 
     def dequantize_rows(self, rows: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = unpack_w8a8(self.qweight, self.out_features)
-        s = self.scales
-        if rows is not None:
-            q, s = q[rows], s[rows]
+        if rows is None:
+            q, s = unpack_w8a8(self.qweight, self.out_features), self.scales
+        else:  # a tied embedding's lookups: only the rows asked for
+            q = self.qweight[rows // BLOCK, :, rows % BLOCK].reshape(len(rows), self.in_features)
+            q, s = (q.to(torch.int16) - 128).to(torch.int8), self.scales[rows]
         return q.to(dtype) * s.to(dtype)[:, None]
 
     def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
