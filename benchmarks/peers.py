@@ -78,8 +78,8 @@ class Target:
 
 # --model -> (the GGUF's locator in inferlab.common.bundled, the name peers serve it under, default targets)
 MODELS = {
-    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-w8a8,inferlab-unbounded,vllm,"
-                "llamacpp-server"),
+    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-w8a8,inferlab-unbounded,"
+                "inferlab-w8a8-unbounded,vllm,llamacpp-server"),
     "gemma3": ("gemma3_model_path", "gemma3", "inferlab,inferlab-int8,inferlab-int4,llamacpp-server"),
 }
 
@@ -113,6 +113,9 @@ def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> d
         # no bound on the prefill beside running decodes (the default before engine/step_budget.py)
         "inferlab-unbounded": Target("inferlab-unbounded", serve + ["--decode-stall-ratio", "none"]
                                      + extra.get("inferlab-unbounded", [])),
+        # the throughput settings together: W8A8 and no bound
+        "inferlab-w8a8-unbounded": Target("inferlab-w8a8-unbounded", serve + ["--quantization", "w8a8",
+                                          "--decode-stall-ratio", "none"] + extra.get("inferlab-w8a8-unbounded", [])),
         "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
         "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                                         gguf, "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",

@@ -54,17 +54,18 @@ using inferlab::store;
 
 constexpr int64_t kTileRows = 4;  // NB: output rows per tile
 
-// Each tile first asks for its own weights and the next kPrefetchBytes: the loop body spends a dozen instructions
+// Each thread's first tile asks for its own weights and the next kPrefetchBytes, and every later tile for the lines
+// that enter that window (its own size, kPrefetchBytes past its start): the loop body spends a dozen instructions
 // per cache line converting and multiplying, which fills the out-of-order window before many loads are in flight,
 // so without this one core streamed ~7.5 GB/s; with it ~18 GB/s, ~25 GB/s on two cores (SmolLM2-135M's layers,
 // int8, one token). The early request is what counts; 4 KiB ahead rather than 1 took the int8 LM head (49152 x 576,
 // one token, two cores) from 0.62-0.76 to 0.52-0.56 ms and left the int4 layers as they were; 8 KiB was slower
-// for both (measured in one process, alternating).
+// for both (measured in one process, alternating). Asking each tile for the whole window again instead (4.5
+// requests a line at K = 576) put as many samples on the requests as on the multiplies (perf, int4, one token).
 constexpr int64_t kPrefetchBytes = 4096;
 
-inline void prefetch_tile(const void* tile, int64_t tile_bytes, const void* end) {
-  const char* p = static_cast<const char*>(tile);
-  const int64_t n = std::min<int64_t>(tile_bytes + kPrefetchBytes, static_cast<const char*>(end) - p);
+inline void prefetch_range(const char* p, int64_t n, const char* end) {
+  n = std::min<int64_t>(n, end - p);
   for (int64_t off = 0; off < n; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
@@ -73,11 +74,17 @@ inline void prefetch_tile(const void* tile, int64_t tile_bytes, const void* end)
 template <typename Rows>
 void for_each_tile(int64_t N, int64_t row_bytes, const void* w, const Rows& rows) {
   const char* base = static_cast<const char*>(w);
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  const char* end = base + N * row_bytes;
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows, tile_bytes = kTileRows * row_bytes;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t t = begin; t < stop; ++t) {
       const int64_t n0 = t * kTileRows;
-      prefetch_tile(base + n0 * row_bytes, kTileRows * row_bytes, base + N * row_bytes);
+      const char* tile = base + n0 * row_bytes;
+      if (t == begin) {
+        prefetch_range(tile, tile_bytes + kPrefetchBytes, end);
+      } else if (tile + kPrefetchBytes < end) {
+        prefetch_range(tile + kPrefetchBytes, tile_bytes, end);
+      }
       if (n0 + kTileRows <= N) {
         rows(n0, std::integral_constant<int, kTileRows>());
       } else {
