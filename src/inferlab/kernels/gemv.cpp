@@ -60,8 +60,9 @@ constexpr int64_t kTileRows = 4;  // NB: output rows per tile
 // so without this one core streamed ~7.5 GB/s; with it ~18 GB/s, ~25 GB/s on two cores (SmolLM2-135M's layers,
 // int8, one token). The early request is what counts; 4 KiB ahead rather than 1 took the int8 LM head (49152 x 576,
 // one token, two cores) from 0.62-0.76 to 0.52-0.56 ms and left the int4 layers as they were; 8 KiB was slower
-// for both (measured in one process, alternating). Asking each tile for the whole window again instead (4.5
-// requests a line at K = 576) put as many samples on the requests as on the multiplies (perf, int4, one token).
+// for both (measured in one process, alternating). Each tile used to ask for the whole window again (4.5 requests
+// a line at K = 576), and perf put as many samples on the loop around the tiles, those requests in it, as on the
+// multiplies (int4, one token).
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline void prefetch_range(const char* p, int64_t n, const char* end) {

@@ -3,13 +3,13 @@
 Each step's activations are rounded to int8 per token and group of 32 inputs (kernels/w8a8_gemm.cpp, where the
 perplexity measurements that chose the group size are), so vpdpbusd multiplies 64 byte pairs per instruction,
 twice the pairs of the bf16 GEMM's vdpbf16ps. Measured on SmolLM2-135M's 30 layers (`python
-benchmarks/linear_kernels.py`, one process, alternating): faster than inferlab's packed bf16 GEMM at every step
-size (1.4-1.8x) and level with or faster than the weight-only int8 kernel from 1 token, so this scheme runs it at
-every step size and keeps neither a bf16 copy nor the plain int8 weight.
+benchmarks/linear_kernels.py`, every path in one process): faster than inferlab's packed bf16 GEMM at every step
+size (1.4-1.9x, 1 to 512 rows) and level with or faster than the weight-only int8 kernel from 1 token, so this
+scheme runs it at every step size and keeps neither a bf16 copy nor the plain int8 weight.
 
-The weight is kept only in the kernel's layout (`pack_w8a8`); `dequantize_rows` unpacks it. Where the kernel is
-not built (other devices, CPUs without AVX-512 BF16) the layer multiplies the dequantized weight by unrounded
-activations: weight-only int8 there.
+The weight is kept only in the kernel's layout (`pack_w8a8`); `dequantize_rows` unpacks it (a tied embedding's
+lookups read their rows from it). Where the kernel is not built (other devices, CPUs without AVX-512 BF16) the layer
+multiplies the dequantized weight, unpacked per step, by unrounded activations: weight-only int8 there, and slow.
 """
 
 from __future__ import annotations
