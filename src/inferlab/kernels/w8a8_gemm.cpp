@@ -8,7 +8,7 @@
 // 10.622, int8 weights alone 10.662), activations per token 11.005 (+3.6%), per 192 inputs 10.729, per 64 10.702,
 // per 32 10.653 (+0.3%, level with weight-only int8). Each group's int32 sum becomes fp32 and is scaled by its s.
 //
-// The layout (pack_w8a8 in quant/int8.py): [ceil(N / 16), K / 4, 16, 4] bytes, q + 128 as uint8: for each block of
+// The layout (pack_w8a8 in quant/w8a8.py): [ceil(N / 16), K / 4, 16, 4] bytes, q + 128 as uint8: for each block of
 // 16 outputs, K / 4 lines of 64 bytes, each the 16 outputs' weights for inputs k..k+3, exactly the operand vpdpbusd
 // multiplies by a broadcast quad of activations (the unsigned one: vpdpbusd takes u8 x s8). The +128 comes back
 // out per token: sum_k (q + 128) a = sum_k q a + 128 sum_k a, so y = scale[n] (sum_g s_g dot_g - corr) with
@@ -63,13 +63,19 @@ void quantize_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* s, floa
 
 // acc += four u8 x s8 products per int32 lane. In asm with acc tied to the output register: with the intrinsic, GCC
 // 13 copied every accumulator to a fresh register around each vpdpbusd and spilled the fp32 ones to the stack (two
-// moves per multiply; the tile ran slower than the bf16 GEMM). Without VNNI, pairs summed in int16 first (at most
-// 2 * 255 * 127: no saturation), then pairs of those.
+// moves per multiply; the tile ran slower than the bf16 GEMM). Without VNNI, vpmaddubsw would saturate its int16
+// pair sums (up to 2 * 255 * 127), so with u = q + 128: dot(u, s) = dot(|q|, s signed as q) + 128 sum(s), pairs
+// at most 2 * 127 * 127 (checked against the scalar sums over random and extreme bytes, built without VNNI).
 inline void dot_u8s8(__m512i& acc, __m512i u, __m512i s) {
 #if defined(__AVX512VNNI__)
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
 #else
-  acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+  const __m512i q = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512i sq = _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(q), _mm512_setzero_si512(), s);
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i qs = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(q), sq), ones);
+  const __m512i ssum = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), s), ones);
+  acc = _mm512_add_epi32(acc, _mm512_add_epi32(qs, _mm512_slli_epi32(ssum, 7)));
 #endif
 }
 
