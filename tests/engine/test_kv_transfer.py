@@ -127,6 +127,25 @@ def test_shared_memory_transport_moves_exact_blocks_and_applies_backpressure():
         shm.unlink()
 
 
+def test_transport_moves_an_int8_pool_with_its_scales():
+    """An int8 pool (layers/kv_int8.py: [layers, K/V, heads, blocks, block bytes]) moves block by block too."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(-128, 128, (3, 2, 2, 6, 4 * (8 + 4)), generator=g, dtype=torch.int8)
+    dst = torch.zeros_like(src)
+    shm = SharedMemory(create=True, size=src[:, :, :, :3].numel())
+    try:
+        producer = SharedMemoryKVTransport.from_buffer(shm.buf, src)
+        peer = SharedMemory(name=shm.name)
+        consumer = SharedMemoryKVTransport.from_buffer(peer.buf, dst)
+        assert producer.num_blocks == 3
+        consumer.recv(producer.send("a", src, [4, 0], num_tokens=7), dst, [1, 5])
+        assert torch.equal(dst[:, :, :, 1], src[:, :, :, 4]) and torch.equal(dst[:, :, :, 5], src[:, :, :, 0])
+        assert torch.count_nonzero(dst[:, :, :, [0, 2, 3, 4]]) == 0
+        del consumer, producer
+    finally:
+        shm.unlink()
+
+
 def test_transport_refuses_a_buffer_smaller_than_a_block():
     with pytest.raises(ValueError, match="smaller than one KV block"):
         SharedMemoryKVTransport.from_buffer(bytearray(100), _pool(2, 0))

@@ -6,6 +6,7 @@ model), and for Qwen3's QK-norm and Gemma 3's layer on tiny random-weight models
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import build_hf_model, save_hf
 
 from inferlab import LLM, SamplingParams
@@ -52,6 +53,13 @@ def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
     assert {getattr(layer, n).kind for layer in model.decode_plan.layers
             for n in ("qkv", "o", "gate_up", "down")} == {kind[quantization]}
     assert all(layer.q_norm is None and layer.post_attn_norm is None for layer in model.decode_plan.layers)
+    _compare_with_and_without(llm, monkeypatch)
+
+
+def test_plan_on_an_int8_kv_pool_is_token_identical_to_the_layers(monkeypatch):
+    llm = LLM(quantization="w8a8", kv_cache_dtype="int8", kv_cache_memory=32 * 2**20)
+    plan = llm.engine.runner.model.model.decode_plan
+    assert plan is not None and {layer.k_cache.dtype for layer in plan.layers} == {torch.int8}
     _compare_with_and_without(llm, monkeypatch)
 
 

@@ -27,6 +27,7 @@ from inferlab.engine.sequence import Sequence
 from inferlab.engine.step_budget import PrefillBudget
 from inferlab.engine.step_trace import BatchShape, StepTrace
 from inferlab.engine.structured_output import StructuredOutput
+from inferlab.layers import kv_int8
 from inferlab.models.loader import load_model, load_tokenizer
 from inferlab.spec import StepContext, make_proposer
 
@@ -73,7 +74,11 @@ class LLMEngine:
                                 {id(t): t for t in list(loaded.model.parameters()) + list(loaded.model.buffers())}.values())
 
         bs = config.block_size
-        per_block = cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()) * bs
+        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        self.kv_bytes_per_token = (
+            2 * cfg.num_layers * cfg.num_kv_heads * kv_int8.row_bytes(cfg.head_dim) if self.kv_dtype == torch.int8
+            else cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()))
+        per_block = self.kv_bytes_per_token * bs
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_len_reason = "the model's maximum context length"
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
@@ -87,7 +92,7 @@ class LLMEngine:
         budget = None if config.decode_stall_ratio is None else PrefillBudget(config.decode_stall_ratio)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_tokens_with_decodes, budget)
-        self.runner = ModelRunner(loaded.model, num_blocks, bs, self.dtype, self.device, config.pack_weights)
+        self.runner = ModelRunner(loaded.model, num_blocks, bs, self.kv_dtype, self.device, config.pack_weights)
         self.sampler = Sampler()
         self.detokenizer = Detokenizer(self.tokenizer)
         self.vocab_size: int = cfg.vocab_size
@@ -107,7 +112,7 @@ class LLMEngine:
         self.last_step_time = 0.0
         self.step_trace = None if config.step_trace is None else StepTrace(config.step_trace, {
             "model": self.model_name, "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_bytes_per_token": cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()),
+            "kv_bytes_per_token": self.kv_bytes_per_token, "kv_cache_dtype": config.kv_cache_dtype,
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_prefill_tokens_with_decodes": config.max_prefill_tokens_with_decodes,
             "decode_stall_ratio": config.decode_stall_ratio, "block_size": bs,
@@ -120,9 +125,10 @@ class LLMEngine:
         self.hand_off_after_prefill = False
         self.handing_off: list[Sequence] = []
         log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16), "
-                 "KV pool %d blocks x %d tokens = %.1f MiB (%s); quantization: %s", self.model_path.name, self.device,
-                 self.dtype, loaded.load_seconds, self.weight_bytes / 2**20, self.runner.packed_weight_bytes / 2**20,
-                 num_blocks, bs, self.runner.kv_cache_bytes / 2**20, pool.reason, self.quant_path)
+                 "KV pool %d blocks x %d tokens = %.1f MiB in %s (%s); quantization: %s", self.model_path.name,
+                 self.device, self.dtype, loaded.load_seconds, self.weight_bytes / 2**20,
+                 self.runner.packed_weight_bytes / 2**20, num_blocks, bs, self.runner.kv_cache_bytes / 2**20,
+                 str(self.kv_dtype).removeprefix("torch."), pool.reason, self.quant_path)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:

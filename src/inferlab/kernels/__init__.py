@@ -53,6 +53,14 @@ def kernels_for(*tensors: torch.Tensor):
     return cpu_kernels()
 
 
+def kernels_for_pool(x: torch.Tensor, pool: torch.Tensor, *others: torch.Tensor):
+    """kernels_for(x, *others) where the KV pool is x's dtype or int8 (layers/kv_int8.py), which the attention
+    kernels take with either activation dtype."""
+    if pool.device != x.device or pool.dtype not in (x.dtype, torch.int8):
+        return None
+    return kernels_for(x, *others)
+
+
 def gemv_kernels():
     """The kernels if their matrix-vector products (gemv.cpp: bf16, int8, int4) were built vectorised (AVX-512 with
     BF16), else None: the scalar build computes the same values, but slower than torch's own paths."""

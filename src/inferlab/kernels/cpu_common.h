@@ -13,6 +13,10 @@
 
 namespace inferlab {
 
+// The int8 KV pool (layers/kv_int8.py): each (head, block) is BS rows of D int8 values, then their BS fp32 scales.
+constexpr int64_t kKvScaleBytes = 4;
+inline int64_t int8_block_bytes(int64_t BS, int64_t D) { return BS * (D + kKvScaleBytes); }
+
 inline float load(const float* p, int64_t i) { return p[i]; }
 
 inline float load(const at::BFloat16* p, int64_t i) {

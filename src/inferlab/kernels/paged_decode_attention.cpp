@@ -5,7 +5,9 @@
 // head against each row while it is in cache, and keeps an online softmax in fp32, one block of positions at a
 // time. Every pair does the same arithmetic whatever else is in the batch, so the result is batch-invariant.
 //
-// Layout (see layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; q [B, heads, head_dim].
+// Layout (see layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; q [B, heads, head_dim]. An
+// int8 pool (layers/kv_int8.py) is [kv_heads, num_blocks, block_size * (head_dim + 4)]: a block's int8 rows, then
+// their fp32 scales; each score is scaled by its key's scale and each softmax weight by its value's.
 
 #include "cpu_common.h"
 
@@ -15,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -25,9 +28,12 @@ using inferlab::first_lanes;
 using inferlab::load_bf16x16;
 using inferlab::sum_lanes_of_16;
 #endif
+using inferlab::int8_block_bytes;
 using inferlab::load;
 using inferlab::round_to;
 using inferlab::store;
+
+inline float load(const int8_t* p, int64_t i) { return p[i]; }
 
 // s[j] = exp(s[j] - max) for j < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float max) {
@@ -53,12 +59,29 @@ inline float exp_shifted(float* s, int64_t n, float max) {
 
 constexpr int64_t kPrefetchBlocks = 4;
 
+// Rows j < n of a block widened to fp32 (an int8 pool's times their scales): a block is contiguous, n * D values.
+template <typename P>
+void widen_block(const P* block, int64_t n, int64_t D, int64_t BS, float* out) {
+  if constexpr (std::is_same_v<P, int8_t>) {
+    const float* scales = reinterpret_cast<const float*>(block + BS * D);
+    for (int64_t j = 0; j < n; ++j) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[j * D + d] = load(block, j * D + d) * scales[j];
+    }
+  } else {
+#pragma omp simd
+    for (int64_t e = 0; e < n * D; ++e) out[e] = load(block, e);
+  }
+}
+
 // DIM > 0 fixes the head size at compile time (full unrolling into vector registers); 0 reads it at run time.
-template <typename T, int64_t DIM>
-void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+// P: the pool's element, T or int8_t.
+template <typename T, typename P, int64_t DIM>
+void decode(const T* q, const P* kc, const P* vc, const int64_t* tables, const int64_t* lens, T* out,
             int64_t B, int64_t H, int64_t KVH, int64_t N, int64_t BS, int64_t D_, int64_t max_blocks, float scale) {
   const int64_t D = DIM > 0 ? DIM : D_;
   const int64_t G = H / KVH;
+  const int64_t block_elems = std::is_same_v<P, int8_t> ? int8_block_bytes(BS, D) : BS * D;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(BS * D), vf(BS * D), scores(G * BS), m(G), l(G);
     for (int64_t i = begin; i < end; ++i) {
@@ -71,25 +94,23 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
       const int64_t len = lens[b];
       for (int64_t start = 0; start < len; start += BS) {
         const int64_t n = std::min(BS, len - start);
-        const int64_t base = (h * N + tables[b * max_blocks + start / BS]) * BS * D;
+        const int64_t base = (h * N + tables[b * max_blocks + start / BS]) * block_elems;
         // Blocks are scattered: fetch kPrefetchBlocks ahead while this one computes (the first block fetches the
         // ones before too). Four ahead instead of one: batch 1 at 160 tokens 16.8 -> 12.0 us a layer, larger
         // batches unchanged (measured).
         for (int64_t ahead = start == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
           if (start + ahead * BS >= len) break;
-          const int64_t next = (h * N + tables[b * max_blocks + start / BS + ahead]) * BS * D;
+          const int64_t next = (h * N + tables[b * max_blocks + start / BS + ahead]) * block_elems;
           const char* nk = reinterpret_cast<const char*>(kc + next);
           const char* nv = reinterpret_cast<const char*>(vc + next);
-          for (int64_t off = 0; off < static_cast<int64_t>(BS * D * sizeof(T)); off += 64) {
+          for (int64_t off = 0; off < static_cast<int64_t>(block_elems * sizeof(P)); off += 64) {
             __builtin_prefetch(nk + off);
             __builtin_prefetch(nv + off);
           }
         }
-        // The block's K and V rows, widened to fp32 once (a block is contiguous: n * D values).
-#pragma omp simd
-        for (int64_t e = 0; e < n * D; ++e) kf[e] = load(kc, base + e);
-#pragma omp simd
-        for (int64_t e = 0; e < n * D; ++e) vf[e] = load(vc, base + e);
+        // The block's K and V rows, widened to fp32 once.
+        widen_block(kc + base, n, D, BS, kf.data());
+        widen_block(vc + base, n, D, BS, vf.data());
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float* sg = scores.data() + g * BS;
@@ -245,28 +266,167 @@ bool decode_bf16_simd(const at::BFloat16* q, const at::BFloat16* kc, const at::B
   }
 #undef INFERLAB_GROUP
 }
+
+// The int8 pool's path: decode_bf16's tiles, softmax and P.V, with each 16-key tile's K rows widened to fp32 once
+// (vpmovsxbd + vcvtdq2ps) and the scores taken in fp32 FMAs against the fp32 query, then scaled by the keys'
+// scales (one load: a block keeps its scales together); each softmax weight is scaled by its value row's scale
+// before P.V. The pool read is half of bf16's.
+template <typename T, int64_t G, int64_t C>
+void decode_int8(const T* q, const int8_t* kc, const int8_t* vc, const int64_t* tables, const int64_t* lens, T* out,
+                 int64_t B, int64_t KVH, int64_t N, int64_t BS, int64_t max_blocks, float scale) {
+  constexpr int64_t D = 64 * C;
+  const int64_t block_bytes = int8_block_bytes(BS, D);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[G][D];
+    alignas(64) float p[G][kTile];
+    alignas(64) float qf[G][D];
+    alignas(64) float kf[kTile][D];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / KVH, h = i % KVH, H = KVH * G;
+      float m[G], l[G];
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t d = 0; d < D; ++d) qf[g][d] = load(q, (b * H + h * G + g) * D + d) * scale;
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+      }
+      const int64_t len = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      for (int64_t start = 0; start < len; start += BS) {
+        const int64_t blk = start / BS;
+        for (int64_t ahead = blk == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+          if (start + ahead * BS >= len) break;
+          const int64_t next = (h * N + table[blk + ahead]) * block_bytes;
+          for (int64_t off = 0; off < block_bytes; off += 64) {
+            __builtin_prefetch(kc + next + off);
+            __builtin_prefetch(vc + next + off);
+          }
+        }
+        const int8_t* kb = kc + (h * N + table[blk]) * block_bytes;
+        const int8_t* vb = vc + (h * N + table[blk]) * block_bytes;
+        const float* k_scales = reinterpret_cast<const float*>(kb + BS * D);
+        const float* v_scales = reinterpret_cast<const float*>(vb + BS * D);
+        for (int64_t t0 = 0; t0 < std::min(BS, len - start); t0 += kTile) {
+          const int64_t n = std::min({kTile, BS - t0, len - start - t0});
+          const __mmask16 valid = first_lanes(n);
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t c = 0; c < 4 * C; ++c)
+              _mm512_store_ps(&kf[j][16 * c], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + (t0 + j) * D + 16 * c)))));
+          const __m512 ks = _mm512_maskz_loadu_ps(valid, k_scales + t0);
+          const __m512 vs = _mm512_maskz_loadu_ps(valid, v_scales + t0);
+          float corr[G];
+          for (int64_t g = 0; g < G; ++g) {
+            __m512 part[kTile];
+            for (int64_t j = 0; j < kTile; ++j) {
+              __m512 dp = _mm512_setzero_ps();
+              if (j < n)
+                for (int64_t c = 0; c < 4 * C; ++c)
+                  dp = _mm512_fmadd_ps(_mm512_load_ps(&qf[g][16 * c]), _mm512_load_ps(&kf[j][16 * c]), dp);
+              part[j] = dp;
+            }
+            const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), ks);
+            const float bm = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s));
+            corr[g] = expf(m[g] - bm);  // 0 on the first tile (m = -inf)
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
+            l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(e);
+            m[g] = bm;
+            _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));
+          }
+          for (int64_t c = 0; c < C; ++c) {
+            __m512 a[G][4];
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t r = 0; r < 4; ++r)
+                a[g][r] = _mm512_mul_ps(_mm512_load_ps(&acc[g][64 * c + 16 * r]), _mm512_set1_ps(corr[g]));
+            for (int64_t j = 0; j < n; ++j) {
+              __m512 v[4];
+              const int8_t* vr = vb + (t0 + j) * D + 64 * c;
+              for (int64_t r = 0; r < 4; ++r)
+                v[r] = _mm512_cvtepi32_ps(
+                    _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + 16 * r))));
+              for (int64_t g = 0; g < G; ++g) {
+                const __m512 w = _mm512_set1_ps(p[g][j]);
+                for (int64_t r = 0; r < 4; ++r) a[g][r] = _mm512_fmadd_ps(w, v[r], a[g][r]);
+              }
+            }
+            for (int64_t g = 0; g < G; ++g)
+              for (int64_t r = 0; r < 4; ++r) _mm512_store_ps(&acc[g][64 * c + 16 * r], a[g][r]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) store(out, (b * H + h * G + g) * D + d, acc[g][d] * inv);
+      }
+    }
+  });
+}
+
+// Whether the int8 SIMD path took it (head sizes 64/128/256, up to 8 query heads per KV head).
+template <typename T>
+bool decode_int8_simd(const T* q, const int8_t* kc, const int8_t* vc, const int64_t* tables, const int64_t* lens,
+                      T* out, int64_t B, int64_t H, int64_t KVH, int64_t N, int64_t BS, int64_t D,
+                      int64_t max_blocks, float scale) {
+#define INFERLAB_DIM(g, c) \
+  decode_int8<T, g, c>(q, kc, vc, tables, lens, out, B, KVH, N, BS, max_blocks, scale); return true;
+#define INFERLAB_GROUP(g)                          \
+  case g:                                          \
+    switch (D) {                                   \
+      case 64: INFERLAB_DIM(g, 1)                  \
+      case 128: INFERLAB_DIM(g, 2)                 \
+      case 256: INFERLAB_DIM(g, 4)                 \
+      default: return false;                       \
+    }
+  switch (H / KVH) {
+    INFERLAB_GROUP(1) INFERLAB_GROUP(2) INFERLAB_GROUP(3) INFERLAB_GROUP(4)
+    INFERLAB_GROUP(5) INFERLAB_GROUP(6) INFERLAB_GROUP(7) INFERLAB_GROUP(8)
+    default: return false;
+  }
+#undef INFERLAB_GROUP
+#undef INFERLAB_DIM
+}
 #endif
 
-template <typename T>
-void dispatch(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out, int64_t B,
+template <typename T, typename P>
+void dispatch(const T* q, const P* kc, const P* vc, const int64_t* tables, const int64_t* lens, T* out, int64_t B,
               int64_t H, int64_t KVH, int64_t N, int64_t BS, int64_t D, int64_t max_blocks, float scale) {
   if (D == 64) {
-    decode<T, 64>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
+    decode<T, P, 64>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
   } else if (D == 128) {
-    decode<T, 128>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
+    decode<T, P, 128>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
   } else {
-    decode<T, 0>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
+    decode<T, P, 0>(q, kc, vc, tables, lens, out, B, H, KVH, N, BS, D, max_blocks, scale);
   }
+}
+
+// An int8 pool with a bf16 or fp32 query.
+template <typename T>
+void run_int8(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& tables,
+              const torch::Tensor& lens, torch::Tensor& out, int64_t B, int64_t H, int64_t KVH, int64_t N,
+              int64_t BS, int64_t D, float s) {
+  const T* qp = q.data_ptr<T>();
+  const int8_t* k8 = kc.data_ptr<int8_t>();
+  const int8_t* v8 = vc.data_ptr<int8_t>();
+#if defined(INFERLAB_AVX512_BF16)
+  if (decode_int8_simd(qp, k8, v8, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H,
+                       KVH, N, BS, D, tables.size(1), s))
+    return;
+#endif
+  dispatch(qp, k8, v8, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<T>(), B, H, KVH, N, BS, D,
+           tables.size(1), s);
 }
 
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [KVH, N, BS, D]; block_tables [B, max_blocks] int64; context_lens [B] int64.
+// q [B, H, D]; k_cache, v_cache [KVH, N, BS, D] in q's dtype or int8 [KVH, N, BS * (D + 4)]; block_tables
+// [B, max_blocks] int64; context_lens [B] int64.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the pool must share a dtype");
+  const bool int8_pool = k_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == (int8_pool ? 3 : 4) && v_cache.sizes() == k_cache.sizes(),
+              "bad shapes");
+  TORCH_CHECK((int8_pool || q.scalar_type() == k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(), "q and the pool must share a dtype (or int8 pool)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block tables and lengths must be int64");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
@@ -274,10 +434,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(0), N = k_cache.size(1), BS = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head counts or dims disagree");
+  const int64_t KVH = k_cache.size(0), N = k_cache.size(1);
+  TORCH_CHECK(int8_pool ? k_cache.size(2) % (D + inferlab::kKvScaleBytes) == 0 : k_cache.size(3) == D,
+              "the pool's rows are not the heads' size");
+  TORCH_CHECK(H % KVH == 0, "head counts disagree");
+  const int64_t BS = int8_pool ? k_cache.size(2) / (D + inferlab::kKvScaleBytes) : k_cache.size(2);
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
+  if (int8_pool) {
+    if (q.scalar_type() == torch::kBFloat16) {
+      run_int8<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, B, H, KVH, N, BS, D, s);
+    } else {
+      TORCH_CHECK(q.scalar_type() == torch::kFloat, "float32 or bfloat16 only");
+      run_int8<float>(q, k_cache, v_cache, block_tables, context_lens, out, B, H, KVH, N, BS, D, s);
+    }
+    return out;
+  }
   if (q.scalar_type() == torch::kBFloat16) {
 #if defined(INFERLAB_AVX512_BF16)
     if (decode_bf16_simd(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),

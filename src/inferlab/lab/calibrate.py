@@ -130,7 +130,7 @@ def calibrate_engine(config, repeats: int = 3, log=print) -> StepCost:
                                       c.block_size, engine.block_manager.num_blocks, c.enable_prefix_caching,
                                       decode_stall_ratio=c.decode_stall_ratio)),
         model={"name": engine.model_name, "dtype": dtype,
-               "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(2 if dtype == "bf16" else 4)},
+               "kv_bytes_per_token": engine.kv_bytes_per_token},
         hardware={"name": hw.name, "bandwidth": hw.bandwidth, "flops": hw.peak_flops(dtype)},
         notes=[f"{len(times)} engine steps, each the best of {repeats} passes of LLMEngine.last_step_time (schedule + "
                f"forward + sample + append); request_overhead is not visible offline and is 0"])

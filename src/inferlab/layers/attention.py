@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from inferlab.common.host_memory import advise_huge_pages, zeroed_host_tensor
-from inferlab.kernels import kernels_for
+from inferlab.kernels import kernels_for_pool
+from inferlab.layers import kv_int8
 
 
 @dataclass(slots=True)
@@ -62,7 +63,8 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
-        # Bound to this layer's slice of the pool by allocate_kv_cache: [kv_heads, num_blocks, block_size, head_dim].
+        # Bound to this layer's slice of the pool by allocate_kv_cache: [kv_heads, num_blocks, block_size, head_dim],
+        # or [kv_heads, num_blocks, block bytes] for an int8 pool (layers/kv_int8.py).
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -75,13 +77,20 @@ class PagedAttention(nn.Module):
         if q.shape[0] > T:
             out = self.forward(q[:T], k[:T], v[:T], meta, kv_written)
             return F.pad(out, (0, 0, 0, q.shape[0] - T))
-        if not kv_written:
+        if not kv_written and self.k_cache.dtype == torch.int8:
+            kv_int8.write(self.k_cache, meta.slot_mapping, k)
+            kv_int8.write(self.v_cache, meta.slot_mapping, v)
+        elif not kv_written:
             k_flat = self.k_cache.view(self.num_kv_heads, -1, self.head_dim)
             v_flat = self.v_cache.view(self.num_kv_heads, -1, self.head_dim)
             k_flat.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_flat.dtype))
             v_flat.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_flat.dtype))
 
         if meta.causal_only:
+            if self.k_cache.dtype == torch.int8:
+                # Attend to the K/V as the pool holds them, as every later step will (and so perplexity scoring,
+                # which runs this path, measures the int8 pool).
+                k, v = (kv_int8.round_trip(x) for x in (k, v))
             w = self.sliding_window
             mask = None
             if w is not None and T > w:
@@ -100,24 +109,28 @@ class PagedAttention(nn.Module):
         if meta.extend is not None:
             g = meta.extend
             qp = q[d:][g.q_index].transpose(1, 2)  # [B, heads, max_q, dim]
-            k_past, v_past = self._gather(g)
+            k_past, v_past = self._gather(g, q.dtype)
             o = F.scaled_dot_product_attention(qp, k_past.transpose(0, 1), v_past.transpose(0, 1),
                                                attn_mask=self._mask(g), scale=self.scale, enable_gqa=True)
             out[d:] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[g.out_index]
         return out.view(T, -1)
 
-    def _gather(self, g: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's blocks, in order: [kv_heads, B, L, dim] for K and for V. One row gather over the pool
-        seen as 2-D (a memcpy per block; index_select along dim 1 of the 4-D pool measured 2x slower)."""
-        H, N, bs, dim = self.k_cache.shape
+    def _gather(self, g: AttentionGroup, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's blocks, in order: [kv_heads, B, L, dim] for K and for V (an int8 pool's in `dtype`). One
+        row gather over the pool seen as 2-D (a memcpy per block; index_select along dim 1 of the 4-D pool measured
+        2x slower)."""
+        H, N = self.k_cache.shape[:2]
+        block_numel = self.k_cache[0, 0].numel()
         B, nblk = g.block_tables.shape
         if g.gather_rows is None or g.gather_rows[:2] != (H, N):
             rows = (torch.arange(H, device=g.block_tables.device)[:, None] * N + g.block_tables.view(1, -1)).view(-1)
             g.gather_rows = (H, N, rows)
         rows = g.gather_rows[2]
-        shape = (H, B, nblk * bs, dim)
-        return (self.k_cache.view(H * N, bs * dim).index_select(0, rows).view(shape),
-                self.v_cache.view(H * N, bs * dim).index_select(0, rows).view(shape))
+        k, v = (c.view(H * N, block_numel).index_select(0, rows) for c in (self.k_cache, self.v_cache))
+        if self.k_cache.dtype == torch.int8:
+            k, v = (kv_int8.dequantize(x, self.head_dim, dtype) for x in (k, v))
+        shape = (H, B, -1, self.head_dim)
+        return k.view(shape), v.view(shape)
 
     def _mask(self, g: AttentionGroup) -> torch.Tensor:
         """The group's causal mask, narrowed to the sliding window where there is one."""
@@ -134,7 +147,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         """One query per sequence."""
         B = q.shape[0]
-        kernels = kernels_for(q, self.k_cache) if g.context_lens is not None else None
+        kernels = kernels_for_pool(q, self.k_cache) if g.context_lens is not None else None
         if kernels is not None and self.sliding_window is not None \
                 and int(g.context_lens.max()) > self.sliding_window:
             kernels = None  # the C++ kernel attends to the whole context: past the window, the masked torch path
@@ -143,7 +156,7 @@ class PagedAttention(nn.Module):
                                                   self.scale)
         # The torch path: gather the past, then the query heads sharing a KV head become that head's query rows
         # ([kv_heads, B, group, dim]), so grouped-query attention is a plain batched matmul with no K/V expansion.
-        k, v = self._gather(g)
+        k, v = self._gather(g, q.dtype)
         qg = q.view(B, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1).to(k.dtype)
         mask = self._mask(g).view(1, B, 1, -1)  # [B, 1, 1, L] -> broadcast over heads and the group's rows
         if B <= SDPA_MAX_DECODE_BATCH:
@@ -159,10 +172,12 @@ class PagedAttention(nn.Module):
 
 def allocate_kv_cache(layers, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> torch.Tensor:
     """One pool for the given decoder layers, [layers, 2 (K, V), kv_heads, num_blocks, block_size, head_dim],
-    each layer's attention bound to its slice."""
+    each layer's attention bound to its slice; with dtype int8, [layers, 2, kv_heads, num_blocks, block bytes]
+    (layers/kv_int8.py)."""
     attns = [layer.self_attn.attn for layer in layers]
     a = attns[0]
-    shape = (len(attns), 2, a.num_kv_heads, num_blocks, block_size, a.head_dim)
+    shape = (len(attns), 2, a.num_kv_heads, num_blocks) + (
+        (block_size * kv_int8.row_bytes(a.head_dim),) if dtype == torch.int8 else (block_size, a.head_dim))
     # On the CPU, a mapping of its own (zero pages from the kernel, returned whole when the pool goes).
     pool = (zeroed_host_tensor(shape, dtype) if torch.device(device).type == "cpu"
             else torch.zeros(shape, dtype=dtype, device=device))

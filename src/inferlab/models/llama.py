@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inferlab.kernels import cpu_kernels, kernels_for
+from inferlab.kernels import cpu_kernels, kernels_for, kernels_for_pool
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
 from inferlab.layers.packed_linear import KernelLinear, PackedLinear
@@ -55,7 +55,7 @@ class LlamaAttention(nn.Module):
         qkv = self.project_qkv(x)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         a = self.attn
-        kernels = kernels_for(qkv, a.k_cache, cos)
+        kernels = kernels_for_pool(qkv, a.k_cache, cos)
         if kernels is not None:
             # Rotary for Q and K and the K/V write into the pool, in one pass (ten ops fewer per layer).
             q, k = kernels.rotary_kv_write(qkv, cos, sin, a.k_cache, a.v_cache, meta.slot_mapping, self.num_heads,
@@ -142,8 +142,8 @@ class LlamaModel(nn.Module):
 
     def build_decode_plan(self) -> bool:
         """Prepare the one-call path for decode-only steps (see the module's docstring). It applies where every
-        projection has a kernel of inferlab's own for small steps and the activations, norms and KV pool are one
-        dtype the kernels take (bf16 on the CPU); steps past a projection's kernel need its packed weight, so the
+        projection has a kernel of inferlab's own for small steps and the activations and norms are one dtype the
+        kernels take (bf16 on the CPU), the KV pool too or int8; steps past a projection's kernel need its packed weight, so the
         plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed weights). Call after the
         KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
         self.decode_plan, self.decode_plan_max_tokens = None, 0
@@ -151,7 +151,7 @@ class LlamaModel(nn.Module):
         first = self.layers[0]
         if kernels is None or first.self_attn.attn.k_cache.numel() == 0:
             return False
-        if kernels_for(first.self_attn.attn.k_cache, first.input_layernorm.weight) is None \
+        if kernels_for_pool(first.input_layernorm.weight, first.self_attn.attn.k_cache) is None \
                 or first.input_layernorm.weight.dtype != torch.bfloat16:
             return False
         layers, max_tokens = [], 1 << 62

@@ -143,4 +143,6 @@ def _load_draft(path: str, runner: ModelRunner, tokenizer, config: EngineConfig)
     if load_tokenizer(path).get_vocab() != tokenizer.get_vocab():
         raise ModelLoadError(f"draft model {path} has as many tokens as the target model but a different "
                              f"vocabulary: a draft must use the target's tokenizer")
-    return load_model(path, runner.kv_cache.dtype, runner.device, config.quantization, config.quant_group_size).model
+    # The target's activation dtype (its norms hold it; the KV pool may be int8).
+    dtype = runner.model.model.norm.weight.dtype
+    return load_model(path, dtype, runner.device, config.quantization, config.quant_group_size).model

@@ -1,0 +1,75 @@
+"""Decode attention over the paged pool: the bf16 pool against the int8 one (`--kv-cache-dtype int8`).
+
+SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, 30 layers, blocks of 16 tokens), each layer its own slice
+of one pool the engine's default size (46,600 tokens: 1 GiB in bf16) with every sequence's blocks scattered over
+it, as after a while of serving. One pass = the 30 layers' paged_decode_attention calls of one decode step; the
+two pools alternate pass by pass, so a shift in the host's speed meets both. Prints ms a pass (median of the
+passes) and the pool bytes read a second.
+
+    python benchmarks/decode_attention.py [--batches 1 16 64] [--context 192] [--passes 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from inferlab.kernels import cpu_kernels
+from inferlab.layers import kv_int8
+
+LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
+POOL_TOKENS = 46_600
+
+
+def pools(num_blocks: int) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    bf16, int8 = [], []
+    for _ in range(LAYERS):
+        k, v = (torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(torch.bfloat16) for _ in range(2))
+        bf16.append((k, v))
+        slots = torch.arange(num_blocks * BLOCK)
+        k8, v8 = (torch.empty(KV_HEADS, num_blocks, BLOCK * kv_int8.row_bytes(DIM), dtype=torch.int8)
+                  for _ in range(2))
+        kv_int8.write(k8, slots, k.view(KV_HEADS, -1, DIM).transpose(0, 1))
+        kv_int8.write(v8, slots, v.view(KV_HEADS, -1, DIM).transpose(0, 1))
+        int8.append((k8, v8))
+    return {"bf16": bf16, "int8": int8}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--passes", type=int, default=30)
+    args = ap.parse_args()
+    kernels = cpu_kernels()
+    num_blocks = POOL_TOKENS // BLOCK
+    layers = pools(num_blocks)
+    print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, context {args.context}, "
+          f"pool {num_blocks} blocks of {BLOCK}; median of {args.passes} passes")
+    print("| batch | bf16 ms | int8 ms | bf16 GB/s | int8 GB/s | bf16 / int8 |")
+    print("|---|---|---|---|---|---|")
+    for B in args.batches:
+        nblk = -(-args.context // BLOCK)
+        tables = torch.randperm(num_blocks)[:B * nblk].view(B, nblk)
+        lens = torch.full((B,), args.context, dtype=torch.long)
+        q = torch.randn(B, HEADS, DIM).to(torch.bfloat16)
+        times = {name: [] for name in layers}
+        for _ in range(args.passes + 2):
+            for name, kv in layers.items():
+                t0 = time.perf_counter()
+                for k, v in kv:
+                    kernels.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5)
+                times[name].append(time.perf_counter() - t0)
+        ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+        read = {"bf16": 2 * LAYERS * KV_HEADS * B * args.context * DIM * 2,
+                "int8": 2 * LAYERS * KV_HEADS * B * args.context * kv_int8.row_bytes(DIM)}
+        print(f"| {B} | {ms['bf16']:.2f} | {ms['int8']:.2f} | {read['bf16'] / ms['bf16'] / 1e6:.1f} | "
+              f"{read['int8'] / ms['int8'] / 1e6:.1f} | {ms['bf16'] / ms['int8']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

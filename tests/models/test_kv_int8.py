@@ -1,0 +1,126 @@
+"""The int8 KV pool (layers/kv_int8.py, `--kv-cache-dtype int8`): its rounding, the kernels that write and read it
+against torch oracles, and the bundled model served from it against float32 transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferlab import LLM, SamplingParams
+from inferlab.kernels import cpu_kernels
+from inferlab.layers import kv_int8
+
+TEXT = ("The lighthouse on Grey Point had been automatic for eleven years, but nobody had told the lighthouse "
+        "that. Every evening at dusk its lamp still came on with a small hesitation.")
+
+
+def test_rows_round_within_half_a_step_and_zero_rows_stay_zero():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 3, 50)[:, None, None]
+    x[7, 1] = 0
+    q, s = kv_int8.quantize_rows(x)
+    assert q.dtype == torch.int8 and s.shape == x.shape[:-1]
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    err = (q.float() * s[..., None] - x).abs()
+    assert (err <= s[..., None] / 2 * (1 + 1e-6)).all()
+    assert (err.amax(-1) > s / 100).any()  # not vacuous: the rounding moved values
+    assert s[7, 1] == 0 and not q[7, 1].any()
+    assert torch.equal(kv_int8.round_trip(x), q.float() * s[..., None])
+
+
+def _pool(kv_heads, blocks, block_size, dim):
+    return torch.zeros(kv_heads, blocks, block_size * kv_int8.row_bytes(dim), dtype=torch.int8)
+
+
+def test_written_rows_land_in_their_slots_and_nowhere_else():
+    kvh, blocks, bs, dim = 3, 6, 4, 64
+    pool = _pool(kvh, blocks, bs, dim)
+    x = torch.randn(5, kvh, dim)
+    slots = torch.tensor([0, 5, 6, 21, 23])
+    kv_int8.write(pool, slots, x)
+    values, scales = kv_int8.split_blocks(pool, dim)
+    q, s = kv_int8.quantize_rows(x)
+    for t, slot in enumerate(slots.tolist()):
+        assert torch.equal(values[:, slot // bs, slot % bs], q[t]) and torch.equal(scales[:, slot // bs, slot % bs], s[t])
+    assert int((scales != 0).sum()) == kvh * len(slots) and int(values.ne(0).any(-1).sum()) == kvh * len(slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_write_rounds_bit_for_bit_as_torch(dtype):
+    """rotary_kv_write into an int8 pool stores exactly kv_int8.write's bytes for the K it returns and the V rows."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    T, H, KVH, D, bs = 5, 9, 3, 64, 4
+    g = torch.Generator().manual_seed(1)
+    qkv = (torch.randn(T, (H + 2 * KVH) * D, generator=g) * 3).to(dtype)
+    qkv[2, (H + KVH) * D:(H + KVH + 1) * D] = 0  # an all-zero V row
+    cos, sin = torch.randn(T, 1, D, generator=g).to(dtype), torch.randn(T, 1, D, generator=g).to(dtype)
+    kc, vc = _pool(KVH, 10, bs, D), _pool(KVH, 10, bs, D)
+    slots = torch.tensor([5, 6, 17, 39])  # the last row is padding: never stored
+    q, k = kernels.rotary_kv_write(qkv, cos, sin, kc, vc, slots, H, KVH)
+    kr, vr = _pool(KVH, 10, bs, D), _pool(KVH, 10, bs, D)
+    kv_int8.write(kr, slots, k[:4])
+    kv_int8.write(vr, slots, qkv[:4, (H + KVH) * D:].view(4, KVH, D))
+    assert torch.equal(kc, kr) and torch.equal(vc, vr) and kc.any()
+
+
+@pytest.mark.parametrize("dim, group, block_size", [(64, 3, 16), (64, 1, 8), (128, 4, 32), (256, 2, 16), (32, 2, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernel_reads_the_int8_pool(dim, group, block_size, dtype):
+    """paged_decode_attention over an int8 pool against float64 attention over the pool's dequantized rows, with
+    lengths that end mid-tile and mid-block (dim 32: the generic path; the others the vectorised one)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    torch.manual_seed(dim + group)
+    kvh, blocks = 2, 48
+    k, v = _pool(kvh, blocks, block_size, dim), _pool(kvh, blocks, block_size, dim)
+    slots = torch.arange(blocks * block_size)
+    kv_int8.write(k, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
+    kv_int8.write(v, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
+    kd, vd = (kv_int8.dequantize(c, dim, torch.float64) for c in (k, v))  # [kvh, blocks, block_size, dim]
+    lens = torch.tensor([1, 15, 16, 17, 40, 100])
+    nblk = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(blocks)[:nblk] for _ in lens])
+    q = (2 * torch.randn(len(lens), kvh * group, dim)).to(dtype)
+    out = kernels.paged_decode_attention(q, k, v, tables, lens, dim**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        keys, vals = (c[:, tables[i, pos // block_size], pos % block_size] for c in (kd, vd))
+        qi = q[i].double().view(kvh, group, dim)
+        ref = ((qi @ keys.transpose(1, 2)) * dim**-0.5).softmax(-1) @ vals
+        assert torch.allclose(out[i].double().view_as(ref), ref, atol=tol, rtol=tol), (i, n)
+
+
+@pytest.mark.slow
+def test_bundled_model_on_an_int8_pool_tracks_float32(llm_fp32, hf_model):
+    """Greedy text, the pool's bytes and log-likelihoods: the engine on an int8 pool (bf16 activations, the decode
+    plan, decodes and prefix-cache extends reading rounded K/V) stays close to float32 transformers."""
+    llm = LLM(kv_cache_dtype="int8", kv_cache_memory=32 * 2**20)
+    eng = llm.engine
+    assert eng.runner.kv_cache.dtype == torch.int8 and eng.runner.model.model.decode_plan is not None
+    bf16 = LLM(kv_cache_memory=32 * 2**20)
+    # Same bytes of pool, ~1.9x the blocks (bf16 rows of 64 values are 128 bytes; int8 rows 68).
+    assert eng.block_manager.num_blocks == pytest.approx(bf16.engine.block_manager.num_blocks * 128 / 68, rel=0.01)
+    del bf16
+
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    first = llm.generate(["The capital of France is"], sp)[0]
+    assert "Paris" in first.text
+    # A cached prefix: the prompt's blocks read back through the gather path (extend) give the same continuation.
+    alone = llm.generate([TEXT], sp)[0]
+    hits = eng.stats().prefix_cache_hits_total
+    again = llm.generate([TEXT], sp)[0]
+    assert eng.stats().prefix_cache_hits_total - hits >= 32 and again.token_ids == alone.token_ids
+
+    ids = llm.tokenizer.encode(TEXT, add_special_tokens=False)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    ref = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    q = torch.tensor(llm.score(ids))
+    assert abs(q.mean() - ref.mean()) < 0.03 * abs(ref.mean())
+    assert torch.corrcoef(torch.stack([q, ref]))[0, 1] > 0.98
+    # Not vacuous: scoring reads the rounded K/V (the same model's bf16 pool scores differently).
+    assert not torch.allclose(q, torch.tensor(llm_fp32.score(ids)), atol=1e-3)
