@@ -116,6 +116,10 @@ def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> d
         # the throughput settings together: W8A8 and no bound
         "inferlab-w8a8-unbounded": Target("inferlab-w8a8-unbounded", serve + ["--quantization", "w8a8",
                                           "--decode-stall-ratio", "none"] + extra.get("inferlab-w8a8-unbounded", [])),
+        # the 8-bit KV pool (layers/kv_int8.py), alone and with W8A8
+        "inferlab-kv8": Target("inferlab-kv8", serve + ["--kv-cache-dtype", "int8"] + extra.get("inferlab-kv8", [])),
+        "inferlab-w8a8-kv8": Target("inferlab-w8a8-kv8", serve + ["--quantization", "w8a8", "--kv-cache-dtype",
+                                    "int8"] + extra.get("inferlab-w8a8-kv8", [])),
         "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
         "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                                         gguf, "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",

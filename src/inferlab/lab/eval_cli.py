@@ -113,7 +113,8 @@ def _describe(r: dict) -> str:
     c = r.get("config", {})
     q = c.get("quantization", "?")
     g = f" g{c.get('quant_group_size')}" if q == "int4" else ""
-    return f"{q}{g} / {c.get('dtype', '?')}"
+    kv = c.get("kv_cache_dtype", "auto")
+    return f"{q}{g} / {c.get('dtype', '?')}" + ("" if kv == "auto" else f" / KV {kv}")
 
 
 def print_report(report: dict) -> None:
