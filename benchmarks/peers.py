@@ -78,8 +78,8 @@ class Target:
 
 # --model -> (the GGUF's locator in inferlab.common.bundled, the name peers serve it under, default targets)
 MODELS = {
-    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-w8a8,inferlab-unbounded,"
-                "inferlab-w8a8-unbounded,vllm,llamacpp-server"),
+    "smollm2": ("bundled_model_path", "smollm2", "inferlab,inferlab-int4,inferlab-w8a8,inferlab-w8a8-kv8,"
+                "inferlab-unbounded,inferlab-w8a8-unbounded,vllm,llamacpp-server"),
     "gemma3": ("gemma3_model_path", "gemma3", "inferlab,inferlab-int8,inferlab-int4,llamacpp-server"),
 }
 
