@@ -142,10 +142,11 @@ class LlamaModel(nn.Module):
 
     def build_decode_plan(self) -> bool:
         """Prepare the one-call path for decode-only steps (see the module's docstring). It applies where every
-        projection has a kernel of inferlab's own for small steps and the activations and norms are one dtype the
-        kernels take (bf16 on the CPU), the KV pool too or int8; steps past a projection's kernel need its packed weight, so the
-        plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed weights). Call after the
-        KV pool is allocated (the plan holds each layer's slice of it). Says whether it applies."""
+        projection has a kernel of inferlab's own for small steps, the activations and norms are one dtype the
+        kernels take (bf16 on the CPU) and the KV pool is that dtype or int8; steps past a projection's kernel need
+        its packed weight, so the plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed
+        weights). Call after the KV pool is allocated (the plan holds each layer's slice of it). Says whether it
+        applies."""
         self.decode_plan, self.decode_plan_max_tokens = None, 0
         kernels = cpu_kernels()
         first = self.layers[0]
