@@ -7,6 +7,11 @@ two pools alternate pass by pass, so a shift in the host's speed meets both. Pri
 passes) and the pool bytes read a second.
 
     python benchmarks/decode_attention.py [--batches 1 16 64] [--context 192] [--passes 30]
+
+`--extend 0+512 1000+128 3000+128` times instead the rows of one sequence's new tokens (P cached keys, then S rows,
+row i attending to keys 0..P+i, as engine/model_runner.py runs a prefill chunk, prefix-cache extend or verification)
+on the bf16 pool: in order, which the kernel reads as runs of rows sharing each key tile, against the same rows in
+reverse order, which it reads one row at a time (the outputs are the same bits; the script checks).
 """
 
 from __future__ import annotations
@@ -44,10 +49,14 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--passes", type=int, default=30)
+    ap.add_argument("--extend", nargs="+", metavar="P+S", help="cached keys + new rows of one sequence")
     args = ap.parse_args()
     kernels = cpu_kernels()
     num_blocks = POOL_TOKENS // BLOCK
     layers = pools(num_blocks)
+    if args.extend:
+        extend(kernels, layers["bf16"], num_blocks, args.extend, args.passes)
+        return
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, context {args.context}, "
           f"pool {num_blocks} blocks of {BLOCK}; median of {args.passes} passes")
     print("| batch | bf16 ms | int8 ms | bf16 GB/s | int8 GB/s | bf16 / int8 |")
@@ -69,6 +78,34 @@ def main() -> None:
                 "int8": 2 * LAYERS * KV_HEADS * B * args.context * kv_int8.row_bytes(DIM)}
         print(f"| {B} | {ms['bf16']:.2f} | {ms['int8']:.2f} | {read['bf16'] / ms['bf16'] / 1e6:.1f} | "
               f"{read['int8'] / ms['int8'] / 1e6:.1f} | {ms['bf16'] / ms['int8']:.2f}x |")
+
+
+def extend(kernels, layers: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int, shapes: list[str],
+           passes: int) -> None:
+    print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, bf16 pool of "
+          f"{num_blocks} blocks of {BLOCK}, scattered; median of {passes} passes")
+    print("| cached + new rows | runs ms | row by row ms | row by row / runs |")
+    print("|---|---|---|---|")
+    for shape in shapes:
+        P, S = (int(x) for x in shape.split("+"))
+        nblk = -(-(P + S) // BLOCK)
+        tables = torch.randperm(num_blocks)[:nblk].expand(S, nblk).contiguous()
+        lens = torch.arange(P + 1, P + S + 1)
+        q = torch.randn(S, HEADS, DIM).to(torch.bfloat16)
+        rev = torch.arange(S - 1, -1, -1)
+        orders = {"runs": (q, tables, lens), "rows": (q[rev].contiguous(), tables[rev].contiguous(), lens[rev])}
+        k, v = layers[0]
+        same = kernels.paged_decode_attention(*orders["rows"][:1], k, v, *orders["rows"][1:], DIM**-0.5)[rev]
+        assert torch.equal(same, kernels.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5))
+        times = {name: [] for name in orders}
+        for _ in range(passes + 2):
+            for name, (qq, tt, ll) in orders.items():
+                t0 = time.perf_counter()
+                for k, v in layers:
+                    kernels.paged_decode_attention(qq, k, v, tt, ll, DIM**-0.5)
+                times[name].append(time.perf_counter() - t0)
+        ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+        print(f"| {P} + {S} | {ms['runs']:.1f} | {ms['rows']:.1f} | {ms['rows'] / ms['runs']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,41 @@ def test_decode_kernel_is_batch_invariant(dtype):
         assert torch.equal(alone[0], together[i])
 
 
+@pytest.mark.parametrize("dim, group, block_size", [(64, 3, 16), (128, 4, 32), (64, 8, 8)])
+def test_decode_kernel_runs_of_rows(dim, group, block_size):
+    """Consecutive rows of one sequence (a chunk's tokens, each attending to keys 0..its position) are read as runs
+    of up to 8 rows sharing each key tile: every row is bit-identical to the same row alone, and matches float64
+    causal attention. Runs break where tables differ (two sequences sharing a prefix block, then diverging) or
+    lengths are not consecutive."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernel could not be built here")
+    torch.manual_seed(dim + group)
+    kv_heads, blocks = 2, 64
+    k = torch.randn(kv_heads, blocks, block_size, dim).to(torch.bfloat16)
+    v = torch.randn(kv_heads, blocks, block_size, dim).to(torch.bfloat16)
+    perm = torch.randperm(blocks)
+    shared, a_own, b_own = perm[:1], perm[1:14], perm[14:27]
+    table_a, table_b = torch.cat([shared, a_own]), torch.cat([shared, b_own])
+    # A prefix-cache extend of 19 rows from position 40, a 3-row chunk from 0 on another table sharing block 0,
+    # a decode on table a, and rows whose lengths step by one across the two tables.
+    rows = [(table_a, n) for n in range(41, 60)] + [(table_b, n) for n in (1, 2, 3)] + [(table_a, 100)] \
+        + [(table_a, block_size + 1), (table_b, block_size + 2), (table_b, block_size + 3)]
+    tables = torch.stack([t for t, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    q = (2 * torch.randn(len(rows), kv_heads * group, dim)).to(torch.bfloat16)
+    out = kernels.paged_decode_attention(q, k, v, tables, lens, dim**-0.5)
+    for i, n in enumerate(lens.tolist()):
+        alone = kernels.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], dim**-0.5)
+        assert torch.equal(alone[0], out[i]), i
+        pos = torch.arange(n)
+        keys = k[:, tables[i, pos // block_size], pos % block_size].double()
+        vals = v[:, tables[i, pos // block_size], pos % block_size].double()
+        qi = q[i].double().view(kv_heads, group, dim)
+        ref = ((qi @ keys.transpose(1, 2)) * dim**-0.5).softmax(-1) @ vals
+        assert torch.allclose(out[i].double().view_as(ref), ref, atol=1e-2, rtol=1e-2), (i, n)
+
+
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no packed bf16 here")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 100])  # both sides of GEMV_MAX_ROWS (the oneDNN fallback)
 def test_packed_linear_equals_dense_matmul(rows):

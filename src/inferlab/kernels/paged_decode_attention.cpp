@@ -1,9 +1,11 @@
 // Decode attention straight from the paged KV pool, for the CPU.
 //
-// One query token per sequence. Work is split over (sequence, KV head) pairs; each pair reads its K/V rows in
+// One query row per token: a decode, or one token of a prefill chunk, prefix-cache extend or speculative proposal
+// attending to keys 0..its position (engine/model_runner.py runs those steps as rows). Work is split over (row,
+// KV head) pairs (bf16: over runs of a sequence's consecutive rows, see decode_bf16); each reads its K/V rows in
 // place through the block table (no gather into a contiguous copy), scores all the query heads that share the KV
 // head against each row while it is in cache, and keeps an online softmax in fp32, one block of positions at a
-// time. Every pair does the same arithmetic whatever else is in the batch, so the result is batch-invariant.
+// time. Every row gets the same arithmetic whatever else is in the batch, so the result is batch-invariant.
 //
 // Layout (see layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; q [B, heads, head_dim]. An
 // int8 pool (layers/kv_int8.py) is [kv_heads, num_blocks, block_size * (head_dim + 4)]: a block's int8 rows, then
@@ -194,28 +196,60 @@ inline void accumulate_pv(float (&acc)[G][64 * C], const float (&p)[G][kTile], c
   }
 }
 
-// G query heads share a KV head; D = 64 * C.
+// Rows of one sequence's new tokens (a prefill chunk, a prefix-cache extend, speculative proposals) come as
+// consecutive rows, each attending to keys 0..its position: row i + 1 has one key more than row i, through the same
+// blocks. decode_bf16 takes such a run up to kMaxRows rows at a time, so each 16-key tile it reads from the pool
+// serves every row (and every query head) of the run; row by row, the keys of a 3,000-token prefix went through
+// the cache once per row. Rows join a run when their tables agree on every block the later row reads, which makes
+// the grouping exact whatever sequence each row belongs to; each row's arithmetic (its keys, tile by tile, in the
+// same order) is the same alone or in a run, so results stay batch-invariant. Decodes are runs of one row.
+constexpr int64_t kMaxRows = 8;
+
+struct RowRun {
+  int64_t first, rows;
+};
+
+std::vector<RowRun> row_runs(const int64_t* tables, const int64_t* lens, int64_t B, int64_t max_blocks,
+                             int64_t BS) {
+  std::vector<RowRun> runs;
+  for (int64_t b = 0; b < B; ++b) {
+    if (!runs.empty()) {
+      RowRun& r = runs.back();
+      const int64_t prev = r.first + r.rows - 1, blocks = (lens[b] + BS - 1) / BS;
+      if (r.rows < kMaxRows && lens[b] == lens[prev] + 1 && blocks <= max_blocks &&
+          std::memcmp(tables + prev * max_blocks, tables + b * max_blocks, blocks * sizeof(int64_t)) == 0) {
+        ++r.rows;
+        continue;
+      }
+    }
+    runs.push_back({b, 1});
+  }
+  return runs;
+}
+
+// G query heads share a KV head; D = 64 * C. Work items are (run, KV head) pairs.
 template <int64_t G, int64_t C>
 void decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables, const int64_t* lens,
                  at::BFloat16* out, int64_t B, int64_t KVH, int64_t N, int64_t BS, int64_t max_blocks, float scale) {
-  constexpr int64_t D = 64 * C, H_PER = G;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[G][D];
-    alignas(64) float p[G][kTile];
+  constexpr int64_t D = 64 * C;
+  const int64_t H = KVH * G;
+  const std::vector<RowRun> runs = row_runs(tables, lens, B, max_blocks, BS);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * KVH, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows][G][D];
+    alignas(64) float p[kMaxRows][G][kTile];
+    alignas(64) float vf[kTile][D];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / KVH, h = i % KVH, H = KVH * H_PER;
-      __m512bh qv[G][2 * C];
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < 2 * C; ++c)
-          qv[g][c] = (__m512bh)_mm512_loadu_si512(q + (b * H + h * G + g) * D + 32 * c);
-      float m[G], l[G];
-      for (int64_t g = 0; g < G; ++g) {
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
-      }
-      const int64_t len = lens[b];
-      const int64_t* table = tables + b * max_blocks;
+      const RowRun run = runs[i / KVH];
+      const int64_t h = i % KVH, R = run.rows, last = run.first + R - 1;
+      float m[kMaxRows][G], l[kMaxRows][G], corr[kMaxRows][G];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          m[r][g] = -std::numeric_limits<float>::infinity();
+          l[r][g] = 0.f;
+          for (int64_t d = 0; d < D; ++d) acc[r][g][d] = 0.f;
+        }
+      const int64_t len = lens[last];  // the run's longest row reads every key any of its rows reads
+      const int64_t* table = tables + last * max_blocks;
       for (int64_t start = 0; start < len; start += BS) {
         const int64_t blk = start / BS;
         prefetch_ahead(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, blk, len, BS,
@@ -225,30 +259,48 @@ void decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, cons
           const int64_t n = std::min({kTile, BS - t0, len - start - t0});
           const uint16_t* kt = kc + base + t0 * D;
           const uint16_t* vt = vc + base + t0 * D;
-          const __mmask16 valid = first_lanes(n);
-          float corr[G];
-          for (int64_t g = 0; g < G; ++g) {
-            __m512 part[kTile];
-            for (int64_t j = 0; j < kTile; ++j) {
-              __m512 dp = _mm512_setzero_ps();
-              if (j < n)
-                for (int64_t c = 0; c < 2 * C; ++c)
-                  dp = _mm512_dpbf16_ps(dp, qv[g][c], (__m512bh)_mm512_loadu_si512(kt + j * D + 32 * c));
-              part[j] = dp;
+          if (R > 1)  // the tile's V rows widened once for all the run's rows (exact: bf16 -> fp32)
+            for (int64_t j = 0; j < n; ++j)
+              for (int64_t c = 0; c < 4 * C; ++c)
+                _mm512_store_ps(&vf[j][16 * c],
+                                load_bf16x16(reinterpret_cast<const at::BFloat16*>(vt + j * D + 16 * c)));
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t nr = std::min(n, lens[run.first + r] - start - t0);  // this row's keys in the tile
+            if (nr <= 0) continue;  // an earlier row, done: its keys ended before this tile
+            const __mmask16 valid = first_lanes(nr);
+            const uint16_t* qr = q + (run.first + r) * H * D + h * G * D;
+            for (int64_t g = 0; g < G; ++g) {
+              __m512bh qv[2 * C];
+              for (int64_t c = 0; c < 2 * C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + g * D + 32 * c);
+              __m512 part[kTile];
+              for (int64_t j = 0; j < kTile; ++j) {
+                __m512 dp = _mm512_setzero_ps();
+                if (j < nr)
+                  for (int64_t c = 0; c < 2 * C; ++c)
+                    dp = _mm512_dpbf16_ps(dp, qv[c], (__m512bh)_mm512_loadu_si512(kt + j * D + 32 * c));
+                part[j] = dp;
+              }
+              const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), _mm512_set1_ps(scale));
+              _mm512_store_ps(p[r][g], softmax_tile(s, valid, m[r][g], l[r][g], corr[r][g]));
             }
-            const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), _mm512_set1_ps(scale));
-            _mm512_store_ps(p[g], softmax_tile(s, valid, m[g], l[g], corr[g]));
+            if (R > 1) {
+              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+                for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
+              });
+            } else {
+              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+                const auto* vr = reinterpret_cast<const at::BFloat16*>(vt + j * D + 64 * c);
+                for (int64_t k = 0; k < 4; ++k) v[k] = load_bf16x16(vr + 16 * k);
+              });
+            }
           }
-          accumulate_pv<G, C>(acc, p, corr, n, [&](int64_t j, int64_t c, __m512* v) {
-            const auto* vr = reinterpret_cast<const at::BFloat16*>(vt + j * D + 64 * c);
-            for (int64_t r = 0; r < 4; ++r) v[r] = load_bf16x16(vr + 16 * r);
-          });
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) store(out, (b * H + h * G + g) * D + d, acc[g][d] * inv);
-      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / l[r][g];
+          for (int64_t d = 0; d < D; ++d) store(out, ((run.first + r) * H + h * G + g) * D + d, acc[r][g][d] * inv);
+        }
     }
   });
 }
