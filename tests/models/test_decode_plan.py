@@ -28,6 +28,11 @@ def _generate(llm: LLM) -> list[list[int]]:
 
 
 def _compare_with_and_without(llm: LLM, monkeypatch) -> None:
+    import inferlab.engine.model_runner as model_runner
+
+    # Prefills on the layers' SDPA both times, so that the plan serves exactly the decode steps; prefill tokens as
+    # rows of the plan are test_prefill_chunks_beside_decodes_run_on_the_plan_as_rows's.
+    monkeypatch.setattr(model_runner, "ROW_ATTENTION_MAX_KEYS", 0)
     model = llm.engine.runner.model.model
     kernels, calls = cpu_kernels(), []
     real = kernels.decode_layers
@@ -113,12 +118,14 @@ def test_prefill_chunks_beside_decodes_run_on_the_plan_as_rows(monkeypatch):
     kernels = cpu_kernels()
     real = kernels.decode_layers
 
-    def mixed_run() -> tuple[np.ndarray, list[int], list[list[int]]]:
+    def mixed_run(max_keys: int) -> tuple[np.ndarray, list[int], list[list[int]]]:
         plan_rows = []
         monkeypatch.setattr(kernels, "decode_layers", lambda *a: plan_rows.append(a[1].shape[0]) or real(*a))
         for i, p in enumerate(PROMPTS):
             eng.add_request(f"d{i}", p, sp)
-        eng.step()  # their prompts, together
+        monkeypatch.setattr(model_runner, "ROW_ATTENTION_MAX_KEYS", 0)
+        eng.step()  # their prompts, together, the same way both times
+        monkeypatch.setattr(model_runner, "ROW_ATTENTION_MAX_KEYS", max_keys)
         eng.add_request("x", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
         outs: dict[str, list] = {}
         while eng.has_work():
@@ -129,12 +136,61 @@ def test_prefill_chunks_beside_decodes_run_on_the_plan_as_rows(monkeypatch):
         err = np.abs(np.array([e.logprob for e in lp[1:]]) - reference)
         return err, plan_rows, [[t for o in outs[f"d{i}"] for t in o.new_token_ids] for i in range(3)]
 
-    err_rows, plan_rows, streams_rows = mixed_run()
-    monkeypatch.setattr(model_runner, "ROW_ATTENTION_MAX_KEYS", 0)
-    err_sdpa, plan_sdpa, streams_sdpa = mixed_run()
+    err_rows, plan_rows, streams_rows = mixed_run(model_runner.ROW_ATTENTION_MAX_KEYS)
+    err_sdpa, plan_sdpa, streams_sdpa = mixed_run(0)
     chunks = -(-len(ids) // 24)
     assert sum(n == 3 + 24 for n in plan_rows) >= chunks - 1  # the mixed steps ran on the plan
     assert not any(n == 3 + 24 for n in plan_sdpa)  # ... and without rows, on the layers
     for err in (err_rows, err_sdpa):
         assert err.max() < 0.3 and err.mean() < 0.02, (err.max(), err.mean())
     assert streams_rows == streams_sdpa
+
+
+def test_steps_without_decodes_run_on_the_plan_as_rows(monkeypatch):
+    """A lone prompt, prompts arriving together and a prefix-cache hit run their tokens as rows of the plan too.
+    Each row's arithmetic is the same whatever shares its step (the packed GEMMs and the decode kernel are
+    row-invariant), so a prefix-cache hit computes the very bits of the whole prompt computed afresh, and a prompt
+    gives the same tokens alone and among others; the prompt's logprobs are those of one float32 causal pass
+    (LLM.score) within bf16's rounding."""
+    import numpy as np
+
+    fp32 = LLM(dtype="float32", kv_cache_memory=64 * 2**20)
+    ids = fp32.tokenizer.encode(TEXT, add_special_tokens=False)
+    reference = np.array(fp32.score(ids))
+    del fp32
+    kernels = cpu_kernels()
+    real, rows = kernels.decode_layers, []
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a: rows.append(a[1].shape[0]) or real(*a))
+    cached = LLM(dtype="bfloat16", kv_cache_memory=64 * 2**20).engine
+    fresh = LLM(dtype="bfloat16", kv_cache_memory=64 * 2**20, enable_prefix_caching=False).engine
+
+    def run(eng, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
+        outs: dict[str, dict] = {}
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        while eng.has_work():
+            for o in eng.step():
+                got = outs.setdefault(o.request_id, {"tokens": [], "logprobs": [], "cached": o.num_cached_tokens})
+                got["tokens"] += o.new_token_ids
+                got["logprobs"] += [e.logprob for e in o.logprobs or []]
+                got["prompt_logprobs"] = got.get("prompt_logprobs") or o.prompt_logprobs
+        return [outs[f"r{i}"] for i in range(len(prompts))]
+
+    lone = run(cached, [ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert rows[0] == len(ids)  # the prompt's one step, on the plan
+    err = np.abs(np.array([e.logprob for e in lone["prompt_logprobs"][1:]]) - reference)
+    assert err.max() < 0.3 and err.mean() < 0.02, (err.max(), err.mean())
+
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    longer = ids + ids[:40]
+    run(cached, [ids], sp)  # now in the prefix cache
+    rows.clear()
+    hit = run(cached, [longer], sp)[0]
+    assert hit["cached"] > 0 and rows[0] == len(longer) - hit["cached"]
+    whole = run(fresh, [longer], sp)[0]
+    assert whole["cached"] == 0
+    assert hit["tokens"] == whole["tokens"] and hit["logprobs"] == whole["logprobs"]  # the same bits
+
+    prompts = [ids[:30], ids[5:60], longer[::2]]
+    together = run(fresh, prompts, sp)
+    assert [o["tokens"] for o in together] == [run(fresh, [p], sp)[0]["tokens"] for p in prompts]

@@ -148,3 +148,22 @@ def test_low_acceptance_turns_speculation_off_for_a_while(llm, prompts):
     assert 0.2 < proposer.draft_cost < 0.3
     assert proposer.num_seq_steps_cooling > 0
     assert out.spec_proposed < 4 * 12  # far fewer proposals than speculating every step would make
+
+
+def test_greedy_on_the_bf16_decode_plan_is_unchanged(prompts):
+    """On the default bf16 engine every verification step runs as rows of the decode plan's kernel, which are
+    row-invariant like plain decodes, so speculation keeps greedy tokens exactly there too (through the layers'
+    batched SDPA a verified position could round otherwise than its plain decode and part at a near-tie)."""
+    from inferlab import LLM
+    from inferlab.kernels import gemv_kernels
+
+    if gemv_kernels() is None:
+        pytest.skip("the decode plan needs inferlab's AVX-512 BF16 kernels")
+    llm = LLM(dtype="bfloat16", kv_cache_memory=64 * 2**20)
+    assert llm.engine.runner.model.model.decode_plan is not None
+    longer = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = [o.token_ids for o in generate(llm, prompts, longer)]
+    with speculating(llm, speculative="ngram", num_speculative_tokens=4) as proposer:
+        spec = [o.token_ids for o in generate(llm, prompts, longer)]
+    assert spec == plain
+    assert proposer.counters.num_accepted_tokens > 0

@@ -14,13 +14,17 @@ from inferlab.layers.packed_linear import pack_linears
 from inferlab.models.llama import LlamaForCausalLM
 
 
-# A step that carries prefill chunks (or speculative verification) beside decodes runs each new token as a row of
-# the decode kernel, attending to keys 0..its own position through its sequence's block table, so the whole step
-# stays on the decode plan's one C++ call (models/llama.py) instead of the Python layers with a batched SDPA over
-# gathered keys. The rows of one chunk re-read their shared keys (from cache), yet won at every size measured
-# (`python benchmarks/mixed_step.py`, 7 decodes, bundled model, bf16): 1.29-1.42x faster steps for chunks of
-# 64-512 tokens of prompts of 1,000-7,000 tokens (a 512-token chunk at 7,000: 870 against 1,227 ms). The bound
-# only keeps contexts past those measured (512 rows x 32k keys) on the layers.
+# A step with multi-token queries (prefill chunks, prefix-cache extends, speculative verification), with or without
+# decodes beside them, runs each new token as a row of the decode kernel, attending to keys 0..its own position
+# through its sequence's block table, so the whole step stays on the decode plan's one C++ call (models/llama.py)
+# instead of the Python layers with a batched SDPA over gathered keys (or, for a lone prompt from position 0, the
+# causal SDPA over its fresh K/V). The kernel reads a sequence's consecutive rows as runs sharing each key tile
+# (kernels/paged_decode_attention.cpp). Beside decodes this won at every size measured (`python
+# benchmarks/mixed_step.py`, 7 decodes, bundled model, bf16): 1.29-1.42x faster steps for chunks of 64-512 tokens of
+# prompts of 1,000-7,000 tokens (a 512-token chunk at 7,000: 870 against 1,227 ms); without them (`python
+# benchmarks/extend_step.py`) 1.1-1.4x for lone and batched fresh prompts of 32-512 tokens and for prefix-cache
+# hits of 16-128 tokens on 1,000-3,000 cached, up to 1.9x for the longest, and 1.02-1.07x a token for n-gram
+# verification. The bound only keeps contexts past those measured (512 rows x 32k keys) on the layers.
 ROW_ATTENTION_MAX_KEYS = 1 << 24
 ROW_ATTENTION_MAX_TOKENS = 512
 
@@ -121,7 +125,7 @@ class ModelRunner:
         slots = bt[seq_of_token, positions // bs] * bs + positions % bs
         ends = starts + lens  # context length after this step
         d = num_decodes
-        if 0 < d < len(lens) and self._rows_pay(positions, int(cu[d])):
+        if d < len(lens) and self._rows_pay(positions, int(cu[d])):
             # Every token a row of its own, attending to keys 0..its position: see ROW_ATTENTION_MAX_KEYS.
             bt, starts, d = bt[seq_of_token], positions, len(positions)
             lens, ends = np.ones_like(positions), positions + 1
@@ -138,10 +142,13 @@ class ModelRunner:
 
     def _rows_pay(self, positions: np.ndarray, first_chunk_token: int) -> bool:
         """Whether a step's multi-token queries should run as one-token rows (see ROW_ATTENTION_MAX_KEYS): only
-        where the decode plan then takes the whole step."""
+        where the decode plan then takes the whole step (models/llama.py: plan_applies). Off it, rows would meet the
+        layers' torch decode path, which gathers every row's keys."""
         chunk = positions[first_chunk_token:]
         m = self.model.model
+        window = getattr(m, "sliding_window", None)
         return (m.decode_plan is not None and len(positions) <= m.decode_plan_max_tokens
+                and (window is None or int(positions.max()) < window)
                 and len(chunk) <= ROW_ATTENTION_MAX_TOKENS
                 and int(chunk.sum()) + len(chunk) <= ROW_ATTENTION_MAX_KEYS)
 

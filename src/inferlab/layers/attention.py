@@ -4,7 +4,8 @@ A step's tokens arrive flat: first the decode tokens (one per sequence, query le
 (prefill chunks, or several tokens per sequence when verifying speculative proposals). Decodes go to inferlab's CPU
 kernel, which reads the pool in place through the block tables (or, without it, to a batched matmul over gathered
 keys); extends to one batched SDPA call over keys gathered through the block tables. Grouping keeps a long prefill
-chunk from padding every decode query to its length.
+chunk from padding every decode query to its length. (Where the decode plan runs the step, the model runner turns
+every extend token into a decode row of its own instead: engine/model_runner.py, ROW_ATTENTION_MAX_KEYS.)
 """
 
 from __future__ import annotations
