@@ -10,7 +10,7 @@ passes) and the pool bytes read a second.
 
 `--extend 0+512 1000+128 3000+128` times instead the rows of one sequence's new tokens (P cached keys, then S rows,
 row i attending to keys 0..P+i, as engine/model_runner.py runs a prefill chunk, prefix-cache extend or verification)
-on the bf16 pool: in order, which the kernel reads as runs of rows sharing each key tile, against the same rows in
+on each pool: in order, which the kernel reads as runs of rows sharing each key tile, against the same rows in
 reverse order, which it reads one row at a time (the outputs are the same bits; the script checks).
 """
 
@@ -55,7 +55,7 @@ def main() -> None:
     num_blocks = POOL_TOKENS // BLOCK
     layers = pools(num_blocks)
     if args.extend:
-        extend(kernels, layers["bf16"], num_blocks, args.extend, args.passes)
+        extend(kernels, layers, num_blocks, args.extend, args.passes)
         return
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, context {args.context}, "
           f"pool {num_blocks} blocks of {BLOCK}; median of {args.passes} passes")
@@ -80,12 +80,12 @@ def main() -> None:
               f"{read['int8'] / ms['int8'] / 1e6:.1f} | {ms['bf16'] / ms['int8']:.2f}x |")
 
 
-def extend(kernels, layers: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int, shapes: list[str],
-           passes: int) -> None:
-    print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, bf16 pool of "
-          f"{num_blocks} blocks of {BLOCK}, scattered; median of {passes} passes")
-    print("| cached + new rows | runs ms | row by row ms | row by row / runs |")
-    print("|---|---|---|---|")
+def extend(kernels, pools_by_dtype: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], num_blocks: int,
+           shapes: list[str], passes: int) -> None:
+    print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, pools of {num_blocks} "
+          f"blocks of {BLOCK}, scattered; median of {passes} passes")
+    print("| cached + new rows | pool | runs ms | row by row ms | row by row / runs |")
+    print("|---|---|---|---|---|")
     for shape in shapes:
         P, S = (int(x) for x in shape.split("+"))
         nblk = -(-(P + S) // BLOCK)
@@ -94,19 +94,21 @@ def extend(kernels, layers: list[tuple[torch.Tensor, torch.Tensor]], num_blocks:
         q = torch.randn(S, HEADS, DIM).to(torch.bfloat16)
         rev = torch.arange(S - 1, -1, -1)
         orders = {"runs": (q, tables, lens), "rows": (q[rev].contiguous(), tables[rev].contiguous(), lens[rev])}
-        k, v = layers[0]
-        same = kernels.paged_decode_attention(*orders["rows"][:1], k, v, *orders["rows"][1:], DIM**-0.5)[rev]
-        assert torch.equal(same, kernels.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5))
-        times = {name: [] for name in orders}
-        for _ in range(passes + 2):
-            for name, (qq, tt, ll) in orders.items():
-                t0 = time.perf_counter()
-                for k, v in layers:
-                    kernels.paged_decode_attention(qq, k, v, tt, ll, DIM**-0.5)
-                times[name].append(time.perf_counter() - t0)
-        ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
-        print(f"| {P} + {S} | {ms['runs']:.1f} | {ms['rows']:.1f} | {ms['rows'] / ms['runs']:.2f}x |", flush=True)
-
+        for pool, layers in pools_by_dtype.items():
+            k, v = layers[0]
+            qr, tr, lr = orders["rows"]
+            same = kernels.paged_decode_attention(qr, k, v, tr, lr, DIM**-0.5)[rev]
+            assert torch.equal(same, kernels.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5))
+            times = {name: [] for name in orders}
+            for _ in range(passes + 2):
+                for name, (qq, tt, ll) in orders.items():
+                    t0 = time.perf_counter()
+                    for k, v in layers:
+                        kernels.paged_decode_attention(qq, k, v, tt, ll, DIM**-0.5)
+                    times[name].append(time.perf_counter() - t0)
+            ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+            print(f"| {P} + {S} | {pool} | {ms['runs']:.1f} | {ms['rows']:.1f} | {ms['rows'] / ms['runs']:.2f}x |",
+                  flush=True)
 
 if __name__ == "__main__":
     main()

@@ -94,6 +94,40 @@ def test_decode_kernel_reads_the_int8_pool(dim, group, block_size, dtype):
         assert torch.allclose(out[i].double().view_as(ref), ref, atol=tol, rtol=tol), (i, n)
 
 
+@pytest.mark.parametrize("dim, group, block_size", [(64, 3, 16), (128, 4, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernel_reads_runs_of_rows_from_the_int8_pool(dim, group, block_size, dtype):
+    """A chunk's consecutive rows (each one key longer, one block table) read as runs sharing each widened key tile:
+    each row bit-identical to the row alone and within the float64 reference over the dequantized pool; runs break
+    where two tables that share a first block part."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
+    torch.manual_seed(dim + group)
+    kvh, blocks = 2, 48
+    k, v = _pool(kvh, blocks, block_size, dim), _pool(kvh, blocks, block_size, dim)
+    slots = torch.arange(blocks * block_size)
+    kv_int8.write(k, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
+    kv_int8.write(v, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
+    kd, vd = (kv_int8.dequantize(c, dim, torch.float64) for c in (k, v))
+    perm = torch.randperm(blocks)
+    table_a, table_b = perm[:8], torch.cat([perm[:1], perm[8:15]])
+    rows = [(table_a, n) for n in range(30, 41)] + [(table_a, block_size + 1), (table_b, block_size + 2)]
+    tables = torch.stack([t for t, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    q = (2 * torch.randn(len(rows), kvh * group, dim)).to(dtype)
+    out = kernels.paged_decode_attention(q, k, v, tables, lens, dim**-0.5)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for i, n in enumerate(lens.tolist()):
+        alone = kernels.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], dim**-0.5)
+        assert torch.equal(alone[0], out[i]), i
+        pos = torch.arange(n)
+        keys, vals = (c[:, tables[i, pos // block_size], pos % block_size] for c in (kd, vd))
+        qi = q[i].double().view(kvh, group, dim)
+        ref = ((qi @ keys.transpose(1, 2)) * dim**-0.5).softmax(-1) @ vals
+        assert torch.allclose(out[i].double().view_as(ref), ref, atol=tol, rtol=tol), (i, n)
+
+
 @pytest.mark.slow
 def test_bundled_model_on_an_int8_pool_tracks_float32(hf_model):
     """Greedy text, the pool's bytes and log-likelihoods: the engine on an int8 pool (bf16 activations, the decode

@@ -334,31 +334,36 @@ bool decode_bf16_simd(const at::BFloat16* q, const at::BFloat16* kc, const at::B
 #undef INFERLAB_GROUP
 }
 
-// The int8 pool's path: decode_bf16's tiles, softmax and P.V, with each 16-key tile's K rows widened to fp32 once
-// (vpmovsxbd + vcvtdq2ps) and the scores taken in fp32 FMAs against the fp32 query, then scaled by the keys'
-// scales (one load: a block keeps its scales together); each softmax weight is scaled by its value row's scale
-// before P.V. The pool read is half of bf16's.
+// The int8 pool's path: decode_bf16's runs, tiles, softmax and P.V, with each 16-key tile's K rows widened to fp32
+// once for the run (vpmovsxbd + vcvtdq2ps) and the scores taken in fp32 FMAs against the fp32 query, then scaled
+// by the keys' scales (one load: a block keeps its scales together); each softmax weight is scaled by its value
+// row's scale before P.V. The pool read is half of bf16's.
 template <typename T, int64_t G, int64_t C>
 void decode_int8(const T* q, const int8_t* kc, const int8_t* vc, const int64_t* tables, const int64_t* lens, T* out,
                  int64_t B, int64_t KVH, int64_t N, int64_t BS, int64_t max_blocks, float scale) {
   constexpr int64_t D = 64 * C;
+  const int64_t H = KVH * G;
   const int64_t block_bytes = int8_block_bytes(BS, D);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[G][D];
-    alignas(64) float p[G][kTile];
-    alignas(64) float qf[G][D];
+  const std::vector<RowRun> runs = row_runs(tables, lens, B, max_blocks, BS);
+  at::parallel_for(0, static_cast<int64_t>(runs.size()) * KVH, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kMaxRows][G][D];
+    alignas(64) float p[kMaxRows][G][kTile];
+    alignas(64) float qf[kMaxRows][G][D];
     alignas(64) float kf[kTile][D];
+    alignas(64) float vf[kTile][D];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / KVH, h = i % KVH, H = KVH * G;
-      float m[G], l[G];
-      for (int64_t g = 0; g < G; ++g) {
-        for (int64_t d = 0; d < D; ++d) qf[g][d] = load(q, (b * H + h * G + g) * D + d) * scale;
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
-        for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
-      }
-      const int64_t len = lens[b];
-      const int64_t* table = tables + b * max_blocks;
+      const RowRun run = runs[i / KVH];
+      const int64_t h = i % KVH, R = run.rows, last = run.first + R - 1;
+      float m[kMaxRows][G], l[kMaxRows][G], corr[kMaxRows][G];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t d = 0; d < D; ++d) qf[r][g][d] = load(q, ((run.first + r) * H + h * G + g) * D + d) * scale;
+          m[r][g] = -std::numeric_limits<float>::infinity();
+          l[r][g] = 0.f;
+          for (int64_t d = 0; d < D; ++d) acc[r][g][d] = 0.f;
+        }
+      const int64_t len = lens[last];
+      const int64_t* table = tables + last * max_blocks;
       for (int64_t start = 0; start < len; start += BS) {
         const int64_t blk = start / BS;
         prefetch_ahead(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, blk, len, BS,
@@ -369,38 +374,50 @@ void decode_int8(const T* q, const int8_t* kc, const int8_t* vc, const int64_t* 
         const float* v_scales = reinterpret_cast<const float*>(vb + BS * D);
         for (int64_t t0 = 0; t0 < std::min(BS, len - start); t0 += kTile) {
           const int64_t n = std::min({kTile, BS - t0, len - start - t0});
-          const __mmask16 valid = first_lanes(n);
+          const auto widen = [](const int8_t* row, int64_t c) {
+            return _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
+          };
           for (int64_t j = 0; j < n; ++j)
-            for (int64_t c = 0; c < 4 * C; ++c)
-              _mm512_store_ps(&kf[j][16 * c], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + (t0 + j) * D + 16 * c)))));
-          const __m512 ks = _mm512_maskz_loadu_ps(valid, k_scales + t0);
-          const __m512 vs = _mm512_maskz_loadu_ps(valid, v_scales + t0);
-          float corr[G];
-          for (int64_t g = 0; g < G; ++g) {
-            __m512 part[kTile];
-            for (int64_t j = 0; j < kTile; ++j) {
-              __m512 dp = _mm512_setzero_ps();
-              if (j < n)
-                for (int64_t c = 0; c < 4 * C; ++c)
-                  dp = _mm512_fmadd_ps(_mm512_load_ps(&qf[g][16 * c]), _mm512_load_ps(&kf[j][16 * c]), dp);
-              part[j] = dp;
+            for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&kf[j][16 * c], widen(kb + (t0 + j) * D, c));
+          if (R > 1)  // the tile's V rows widened once for all the run's rows
+            for (int64_t j = 0; j < n; ++j)
+              for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&vf[j][16 * c], widen(vb + (t0 + j) * D, c));
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t nr = std::min(n, lens[run.first + r] - start - t0);  // see decode_bf16
+            if (nr <= 0) continue;
+            const __mmask16 valid = first_lanes(nr);
+            const __m512 ks = _mm512_maskz_loadu_ps(valid, k_scales + t0);
+            const __m512 vs = _mm512_maskz_loadu_ps(valid, v_scales + t0);
+            for (int64_t g = 0; g < G; ++g) {
+              __m512 part[kTile];
+              for (int64_t j = 0; j < kTile; ++j) {
+                __m512 dp = _mm512_setzero_ps();
+                if (j < nr)
+                  for (int64_t c = 0; c < 4 * C; ++c)
+                    dp = _mm512_fmadd_ps(_mm512_load_ps(&qf[r][g][16 * c]), _mm512_load_ps(&kf[j][16 * c]), dp);
+                part[j] = dp;
+              }
+              const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), ks);
+              _mm512_store_ps(p[r][g], _mm512_mul_ps(softmax_tile(s, valid, m[r][g], l[r][g], corr[r][g]), vs));
             }
-            const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), ks);
-            _mm512_store_ps(p[g], _mm512_mul_ps(softmax_tile(s, valid, m[g], l[g], corr[g]), vs));
+            if (R > 1) {
+              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+                for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
+              });
+            } else {
+              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+                for (int64_t k = 0; k < 4; ++k) v[k] = widen(vb + (t0 + j) * D + 64 * c, k);
+              });
+            }
           }
-          accumulate_pv<G, C>(acc, p, corr, n, [&](int64_t j, int64_t c, __m512* v) {
-            const int8_t* vr = vb + (t0 + j) * D + 64 * c;
-            for (int64_t r = 0; r < 4; ++r)
-              v[r] = _mm512_cvtepi32_ps(
-                  _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vr + 16 * r))));
-          });
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) store(out, (b * H + h * G + g) * D + d, acc[g][d] * inv);
-      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / l[r][g];
+          for (int64_t d = 0; d < D; ++d) store(out, ((run.first + r) * H + h * G + g) * D + d, acc[r][g][d] * inv);
+        }
     }
   });
 }
