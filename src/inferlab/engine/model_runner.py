@@ -23,8 +23,8 @@ from inferlab.models.llama import LlamaForCausalLM
 # benchmarks/mixed_step.py`, 7 decodes, bundled model, bf16): 1.29-1.42x faster steps for chunks of 64-512 tokens of
 # prompts of 1,000-7,000 tokens (a 512-token chunk at 7,000: 870 against 1,227 ms); without them (`python
 # benchmarks/extend_step.py`) 1.1-1.4x for lone and batched fresh prompts of 32-512 tokens and for prefix-cache
-# hits of 16-128 tokens on 1,000-3,000 cached, up to 1.9x for the longest, and 1.02-1.07x a token for n-gram
-# verification. The bound only keeps contexts past those measured (512 rows x 32k keys) on the layers.
+# hits of 16-128 tokens on 1,000-3,000 cached, and 1.43x a token for n-gram verification. The bound only keeps
+# contexts past those measured (512 rows x 32k keys) on the layers.
 ROW_ATTENTION_MAX_KEYS = 1 << 24
 ROW_ATTENTION_MAX_TOKENS = 512
 
