@@ -202,6 +202,35 @@ def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
     assert prompts[0] != prompts[1]  # different draws
 
 
+def test_validate_searches_the_max_rate_on_a_large_draw(setup, tmp_path):
+    """The SLO-max rate that validate brackets is the search's answer on --search-requests simulated requests a
+    point, not on the few each measured point has (one small draw's p99 moves the answer)."""
+    import sys
+    from types import SimpleNamespace
+
+    import yaml
+
+    from inferlab.lab.simulate_cli import _scenario
+
+    card, profile, _ = setup
+    d = yaml.safe_load(card.read_text())
+    d["server"] = {"kind": "command", "ready_timeout": "120s",
+                   "command": f"{sys.executable} -m inferlab fake-server --port {{port}} --ttft 10ms --itl 2ms"}
+    card.write_text(yaml.safe_dump(d))
+    out = tmp_path / "val.json"
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--requests", "6",
+                 "--search-requests", "300", "--max-rate-within", "0.15", "--output-dir", str(tmp_path / "runs"),
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["max_rate"]
+    sc = _scenario(SimpleNamespace(card=str(card), profile=str(profile), max_queue=None, requests=300, arrival=None,
+                                   burstiness=None))
+    small = capacity.max_rate(replace(sc, requests=6)).rate
+    assert got["predicted"] == pytest.approx(capacity.max_rate(sc).rate)
+    assert got["predicted"] != pytest.approx(small)  # the sample size matters here, so the check above can fail
+    assert [p["rate"] for p in json.loads(out.read_text())["points"]] == [round(got["lower"], 4),
+                                                                          round(got["upper"], 4)]
+
+
 def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, monkeypatch):
     """--leave-one-out refits the step cost to the server's own trace at the other rates, and simulates the engine
     that trace's header describes (here 2 sequences and a decode-stall ratio of 1.5), not the profile's (16
