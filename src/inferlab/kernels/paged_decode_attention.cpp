@@ -5,7 +5,8 @@
 // KV head) pairs (the vectorised bf16 and int8 paths: over runs of a sequence's consecutive rows, see row_runs);
 // each reads its K/V rows in place through the block table (no gather into a contiguous copy), scores all the
 // query heads that share the KV head against each row while it is in cache, and keeps an online softmax in fp32,
-// one block of positions at a time. Every row gets the same arithmetic whatever else is in the batch, so the result is batch-invariant.
+// one block of positions at a time. Every row gets the same arithmetic whatever else is in the batch, so the
+// result is batch-invariant.
 //
 // Layout (see layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; q [B, heads, head_dim]. An
 // int8 pool (layers/kv_int8.py) is [kv_heads, num_blocks, block_size * (head_dim + 4)]: a block's int8 rows, then
