@@ -175,19 +175,25 @@ def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):
         trace_requests(tmp_path / "bad.jsonl")
 
 
-def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
-    """validate against a real server (`inferlab fake-server`, 10 ms to the first token, 2 ms a token): each rate is
-    a fresh draw (seed + i), so no point finds its prompts in the server's prefix cache from an earlier one, and the
-    simulation of each point draws what bench sent."""
+def _serve_with_fake_server(card: Path) -> None:
+    """The card's server becomes `inferlab fake-server` (10 ms to the first token, 2 ms a token): a real HTTP server
+    for validate to bench, without a model."""
     import sys
 
     import yaml
 
-    card, profile, _ = setup
     d = yaml.safe_load(card.read_text())
     d["server"] = {"kind": "command", "ready_timeout": "120s",
                    "command": f"{sys.executable} -m inferlab fake-server --port {{port}} --ttft 10ms --itl 2ms"}
     card.write_text(yaml.safe_dump(d))
+
+
+def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
+    """validate against a real server (`inferlab fake-server`, 10 ms to the first token, 2 ms a token): each rate is
+    a fresh draw (seed + i), so no point finds its prompts in the server's prefix cache from an earlier one, and the
+    simulation of each point draws what bench sent."""
+    card, profile, _ = setup
+    _serve_with_fake_server(card)
     out = tmp_path / "val.json"
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "4,8", "--requests", "6",
                  "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
@@ -205,18 +211,12 @@ def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
 def test_validate_searches_the_max_rate_on_a_large_draw(setup, tmp_path):
     """The SLO-max rate that validate brackets is the search's answer on --search-requests simulated requests a
     point, not on the few each measured point has (one small draw's p99 moves the answer)."""
-    import sys
     from types import SimpleNamespace
-
-    import yaml
 
     from inferlab.lab.simulate_cli import _scenario
 
     card, profile, _ = setup
-    d = yaml.safe_load(card.read_text())
-    d["server"] = {"kind": "command", "ready_timeout": "120s",
-                   "command": f"{sys.executable} -m inferlab fake-server --port {{port}} --ttft 10ms --itl 2ms"}
-    card.write_text(yaml.safe_dump(d))
+    _serve_with_fake_server(card)
     out = tmp_path / "val.json"
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--requests", "6",
                  "--search-requests", "300", "--max-rate-within", "0.15", "--output-dir", str(tmp_path / "runs"),
