@@ -65,6 +65,16 @@ def test_fused_rotary_write_rounds_bit_for_bit_as_torch(dtype):
     assert torch.equal(kc, kr) and torch.equal(vc, vr) and kc.any()
 
 
+def _filled_pools(kvh: int, blocks: int, block_size: int, dim: int):
+    """A K and a V int8 pool with every slot written (rows of varied scale), and their rows dequantized to float64
+    ([kvh, blocks, block_size, dim]) for the reference."""
+    k, v = _pool(kvh, blocks, block_size, dim), _pool(kvh, blocks, block_size, dim)
+    slots = torch.arange(blocks * block_size)
+    kv_int8.write(k, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
+    kv_int8.write(v, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
+    return (k, v, *(kv_int8.dequantize(c, dim, torch.float64) for c in (k, v)))
+
+
 @pytest.mark.parametrize("dim, group, block_size", [(64, 3, 16), (64, 1, 8), (128, 4, 32), (256, 2, 16), (32, 2, 4)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_kernel_reads_the_int8_pool(dim, group, block_size, dtype):
@@ -75,11 +85,7 @@ def test_decode_kernel_reads_the_int8_pool(dim, group, block_size, dtype):
         pytest.skip("the CPU kernels could not be built here")
     torch.manual_seed(dim + group)
     kvh, blocks = 2, 48
-    k, v = _pool(kvh, blocks, block_size, dim), _pool(kvh, blocks, block_size, dim)
-    slots = torch.arange(blocks * block_size)
-    kv_int8.write(k, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
-    kv_int8.write(v, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
-    kd, vd = (kv_int8.dequantize(c, dim, torch.float64) for c in (k, v))  # [kvh, blocks, block_size, dim]
+    k, v, kd, vd = _filled_pools(kvh, blocks, block_size, dim)  # [kvh, blocks, block_size, dim]
     lens = torch.tensor([1, 15, 16, 17, 40, 100])
     nblk = -(-int(lens.max()) // block_size)
     tables = torch.stack([torch.randperm(blocks)[:nblk] for _ in lens])
@@ -105,11 +111,7 @@ def test_decode_kernel_reads_runs_of_rows_from_the_int8_pool(dim, group, block_s
         pytest.skip("the CPU kernels could not be built here")
     torch.manual_seed(dim + group)
     kvh, blocks = 2, 48
-    k, v = _pool(kvh, blocks, block_size, dim), _pool(kvh, blocks, block_size, dim)
-    slots = torch.arange(blocks * block_size)
-    kv_int8.write(k, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
-    kv_int8.write(v, slots, torch.randn(len(slots), kvh, dim) * torch.rand(len(slots), 1, 1) * 4)
-    kd, vd = (kv_int8.dequantize(c, dim, torch.float64) for c in (k, v))
+    k, v, kd, vd = _filled_pools(kvh, blocks, block_size, dim)
     perm = torch.randperm(blocks)
     table_a, table_b = perm[:8], torch.cat([perm[:1], perm[8:15]])
     rows = [(table_a, n) for n in range(30, 41)] + [(table_a, block_size + 1), (table_b, block_size + 2)]
