@@ -149,6 +149,9 @@ def test_bad_input_is_named(setup, capsys):
     assert "unknown router 'random'" in capsys.readouterr().err
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--max-rate-within", "1.5"]) == 2
     assert "--max-rate-within 1.5: give a fraction between 0 and 1" in capsys.readouterr().err
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--max-rate-within", "0.15",
+                 "--search-requests", "0"]) == 2
+    assert "--search-requests 0: give at least one request" in capsys.readouterr().err
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "1", "--leave-one-out"]) == 2
     assert "--leave-one-out needs at least two rates" in capsys.readouterr().err
 
