@@ -213,7 +213,8 @@ def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
 
 def test_validate_searches_the_max_rate_on_a_large_draw(setup, tmp_path):
     """The SLO-max rate that validate brackets is the search's answer on --search-requests simulated requests a
-    point, not on the few each measured point has (one small draw's p99 moves the answer)."""
+    point, not on the few each measured point has (one small draw's p99 moves the answer); the bracket's two rates
+    are measured (and simulated) with --bracket-requests each, the other rates with --requests."""
     from types import SimpleNamespace
 
     from inferlab.lab.simulate_cli import _scenario
@@ -221,17 +222,20 @@ def test_validate_searches_the_max_rate_on_a_large_draw(setup, tmp_path):
     card, profile, _ = setup
     _serve_with_fake_server(card)
     out = tmp_path / "val.json"
-    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--requests", "6",
-                 "--search-requests", "300", "--max-rate-within", "0.15", "--output-dir", str(tmp_path / "runs"),
-                 "--json", str(out)]) == 0
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "4", "--requests", "6",
+                 "--search-requests", "300", "--max-rate-within", "0.15", "--bracket-requests", "9",
+                 "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
     got = json.loads(out.read_text())["max_rate"]
     sc = _scenario(SimpleNamespace(card=str(card), profile=str(profile), max_queue=None, requests=300, arrival=None,
                                    burstiness=None))
     small = capacity.max_rate(replace(sc, requests=6)).rate
     assert got["predicted"] == pytest.approx(capacity.max_rate(sc).rate)
     assert got["predicted"] != pytest.approx(small)  # the sample size matters here, so the check above can fail
-    assert [p["rate"] for p in json.loads(out.read_text())["points"]] == [round(got["lower"], 4),
-                                                                          round(got["upper"], 4)]
+    points = json.loads(out.read_text())["points"]
+    assert [p["rate"] for p in points] == [4, round(got["lower"], 4), round(got["upper"], 4)]
+    for p, n in zip(points, (6, 9, 9)):
+        assert json.loads(open(p["results"]).read())["runs"][0]["counts"]["measured"] == n
+        assert p["simulated_requests"] == n  # predicted on the draw bench sent
 
 
 def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, monkeypatch):
@@ -249,10 +253,10 @@ def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, m
                              requests=20)
     real_simulate = capacity.simulate
 
-    def fake_bench_rates(card_, rates, out_dir, requests, seed_base, base_url=None, server_config=None,
+    def fake_bench_rates(card_, loads, out_dir, seed_base, base_url=None, server_config=None,
                          arrival=None, burstiness=None):
         rows, points, t = [], [], 0.0
-        for i, rate in enumerate(rates):
+        for i, (rate, _) in enumerate(loads):
             t0 = t
             for k in range(60):  # decode steps of 1-2 sequences and a prefill every tenth step
                 chunks = [[0, 100, True]] if k % 10 == 0 else []

@@ -85,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             q.add_argument("--search-requests", type=int, default=400,
                            help="simulated requests a point in the SLO-max search (predict's default), however few "
                                 "--requests each measured point has")
+            q.add_argument("--bracket-requests", type=int, default=200,
+                           help="measured requests at each of the two bracket rates: whether a rate meets a p99 "
+                                "objective is the load's property only over a large draw (60 requests: one burst's)")
             q.add_argument("--leave-one-out", action="store_true",
                            help="predict each rate from the server's own steps at the other rates (the card's "
                                 "inferlab server, started here with --step-trace) instead of --profile's "
@@ -184,7 +187,7 @@ def _calibrate_served(args, command: str):
     rates = _rates(args.rates) or []
     # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
     # validation run on the same server, or the other way round.
-    points = bench_rates(card, rates, out_dir, args.requests, seed_base=card.traffic.seed + 1000,
+    points = bench_rates(card, [(r, args.requests) for r in rates], out_dir, seed_base=card.traffic.seed + 1000,
                          server_config={**card.server.config, "step_trace": str(trace)})
     cost = calibrate_served([trace], _this_machine(), command)
     sc = Scenario(card, cost, shape_from(cost.engine), requests=args.requests)
@@ -408,8 +411,9 @@ def _validate(args) -> int:
     if args.max_rate_within is not None:
         if not 0 < args.max_rate_within < 1:
             raise ValueError(f"--max-rate-within {args.max_rate_within}: give a fraction between 0 and 1, e.g. 0.15")
-        if args.search_requests < 1:
-            raise ValueError(f"--search-requests {args.search_requests}: give at least one request")
+        for flag in ("search_requests", "bracket_requests"):
+            if getattr(args, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least one request")
         # The rate at which the card is met is a property of the load, so the search simulates a large draw, as
         # `predict` does; at validate's 60 requests a point, one draw's p99 (about its largest gap) moved the
         # search's answer by 15% (2.85 against 2.45 req/s on examples/card-cpu.yaml).
@@ -417,22 +421,24 @@ def _validate(args) -> int:
         if m.rate is None:
             raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
         bracket = (m.rate, m.rate * (1 - args.max_rate_within), m.rate * (1 + args.max_rate_within))
-        rates += [round(bracket[1], 4), round(bracket[2], 4)]
-    if not rates:
+    if not rates and bracket is None:
         raise ValueError("validate needs --rates (requests/s the calibration did not use) or --max-rate-within")
+    loads = [(r, args.requests) for r in rates]
+    if bracket is not None:
+        loads += [(round(bracket[1], 4), args.bracket_requests), (round(bracket[2], 4), args.bracket_requests)]
     arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
     out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url,
            "leave_one_out": args.leave_one_out, "points": []}
     trace = None
     if args.leave_one_out:
-        if args.base_url or sc.card.server.kind != "inferlab" or len(rates) < 2:
+        if args.base_url or sc.card.server.kind != "inferlab" or len(loads) < 2:
             raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
                              "(it reads the server's step trace)")
         trace = Path(args.output_dir) / "steps.jsonl"
-    points = bench_rates(sc.card, rates, Path(args.output_dir), args.requests, seed_base=sc.card.traffic.seed,
+    points = bench_rates(sc.card, loads, Path(args.output_dir), seed_base=sc.card.traffic.seed,
                          base_url=args.base_url, arrival=arrival, burstiness=args.burstiness,
                          server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
-    for i, (rate, card_k, measured) in enumerate(points):
+    for i, ((rate, card_k, measured), (_, requests)) in enumerate(zip(points, loads)):
         cost, shape = sc.cost, sc.shape
         if trace is not None:
             cost = calibrate_served([trace], sc.cost.hardware,
@@ -441,9 +447,12 @@ def _validate(args) -> int:
             # and the scheduler settings the server ran with (its trace's header), not the profile's
             shape = replace(shape_from(cost.engine), max_queue=sc.shape.max_queue)
         # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
-        predicted = capacity.simulate(replace(sc, cost=cost, shape=shape, card=card_k, arrival=arrival), rate=rate)
+        predicted = capacity.simulate(replace(sc, cost=cost, shape=shape, card=card_k, arrival=arrival,
+                                              requests=requests), rate=rate)
         point = compare(measured, predicted)
-        point.update(rate=rate, seed=card_k.traffic.seed, results=measured.get("path"),
+        point.update(rate=rate, requests=measured["counts"]["measured"],
+                     simulated_requests=predicted["counts"]["measured"], seed=card_k.traffic.seed,
+                     results=measured.get("path"),
                      meets_measured=capacity.meets(sc.card, measured),
                      meets_predicted=capacity.meets(sc.card, predicted))
         out["points"].append(point)
@@ -456,12 +465,13 @@ def _validate(args) -> int:
     return 0
 
 
-def bench_rates(card, rates: list[float], out_dir: Path, requests: int, seed_base: int, base_url: str | None = None,
+def bench_rates(card, loads: list[tuple[float, int]], out_dir: Path, seed_base: int, base_url: str | None = None,
                 server_config: dict | None = None, arrival: str | None = None,
                 burstiness: float | None = None) -> list[tuple[float, object, dict]]:
-    """`inferlab bench` at each rate against one server (the card's, started here, unless base_url): (rate, the card
-    as run, its measured run). Rate i runs with seed seed_base + i, so no point's prompts are in the server's prefix
-    cache from an earlier point (the same seed draws the same prompts, which would then cost a few tokens each)."""
+    """`inferlab bench` at each (rate, requests) against one server (the card's, started here, unless base_url):
+    (rate, the card as run, its measured run). Point i runs with seed seed_base + i, so no point's prompts are in the
+    server's prefix cache from an earlier point (the same seed draws the same prompts, which would then cost a few
+    tokens each)."""
     import asyncio
     import time
 
@@ -478,7 +488,7 @@ def bench_rates(card, rates: list[float], out_dir: Path, requests: int, seed_bas
     arrival = arrival or (card.traffic.arrival if not card.traffic.closed_loop else "poisson")
     points = []
     try:
-        for i, rate in enumerate(rates):
+        for i, (rate, requests) in enumerate(loads):
             card_k = replace(card, traffic=replace(card.traffic, seed=seed_base + i))
             cfg = to_bench_config(card_k, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
             cfg.loads = [Load("rate", rate, arrival, burstiness or 1.0)]
