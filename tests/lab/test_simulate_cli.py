@@ -56,10 +56,11 @@ def test_predict_writes_points_max_rate_replicas_and_disaggregation(setup, capsy
     card, profile, tmp = setup
     out = tmp / "pred.json"
     rc = main(["simulate", "predict", str(card), "--profile", str(profile), "--rates", "1,3", "--requests", "150",
-               "--target-rate", "12", "--disaggregate", "2", "--json", str(out), "--html", str(tmp / "p.html")])
+               "--search-requests", "300", "--target-rate", "12", "--disaggregate", "2", "--json", str(out), "--html", str(tmp / "p.html")])
     assert rc == 0
     d = json.loads(out.read_text())
     assert [p["rate"] for p in d["points"]] == [1.0, 3.0]
+    assert d["search_requests"] == 300  # the searches' draw, not the table's 150
     assert d["engine"]["max_num_seqs"] == 4  # the card's server config beats the profile's
     for p in d["points"]:
         lit = p["little"]
@@ -151,6 +152,8 @@ def test_bad_input_is_named(setup, capsys):
     assert "--max-rate-within 1.5: give a fraction between 0 and 1" in capsys.readouterr().err
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--max-rate-within", "0.15",
                  "--search-requests", "0"]) == 2
+    assert "--search-requests 0: give at least one request" in capsys.readouterr().err
+    assert main(["simulate", "predict", str(card), "--profile", str(profile), "--search-requests", "0"]) == 2
     assert "--search-requests 0: give at least one request" in capsys.readouterr().err
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "1", "--leave-one-out"]) == 2
     assert "--leave-one-out needs at least two rates" in capsys.readouterr().err

@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q.add_argument("--rates", default=None, help="requests/s to simulate, comma-separated (default: a sweep "
                                                      "up to saturation)")
         q.add_argument("--requests", type=int, default=400, help="measured requests per simulated point")
+        q.add_argument("--search-requests", type=int, default=2000,
+                       help="simulated requests a point in the searches (SLO-max rate, replicas, disaggregation), "
+                            "whatever --requests is: enough for a p99 objective to be the load's, not one draw's")
         q.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default=None)
         q.add_argument("--burstiness", type=float, default=None)
         q.add_argument("--max-queue", type=int, default=None, help="admission limit (default: the profile's)")
@@ -82,9 +85,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            help="also check the predicted SLO-max rate: bench at (1 - F) and (1 + F) times it; "
                                 "the measured maximum lies within F of it when the card passes at the first and "
                                 "fails at the second")
-            q.add_argument("--search-requests", type=int, default=400,
-                           help="simulated requests a point in the SLO-max search (predict's default), however few "
-                                "--requests each measured point has")
             q.add_argument("--bracket-requests", type=int, default=200,
                            help="measured requests at each of the two bracket rates: whether a rate meets a p99 "
                                 "objective is the load's property only over a large draw (60 requests: one burst's)")
@@ -279,6 +279,8 @@ def _predict(args) -> int:
     from inferlab.lab import capacity
     from inferlab.lab.simulator import Topology
 
+    if args.search_requests < 1:
+        raise ValueError(f"--search-requests {args.search_requests}: give at least one request")
     sc = _scenario(args)
     if args.hardware:
         from inferlab.lab.hardware import resolve_hardware
@@ -312,20 +314,22 @@ def _predict(args) -> int:
         points = [capacity.simulate(sc, rate=r) for r in rates]
     out["points"] = [_compact(sc.card, s) for s in points]
     print_points(out["points"], f"{sc.card.name}: predicted on {sc.topology.describe()} ({sc.cost.source})")
+    search = replace(sc, requests=args.search_requests)
+    out["search_requests"] = args.search_requests
     if not args.no_search and not args.trace:
-        m = capacity.max_rate(sc)
+        m = capacity.max_rate(search)
         out["max_rate"] = {"rate": m.rate, "saturation": m.saturation, "tried": m.tried,
                            "at_max": _compact(sc.card, m.summary) if m.summary else None}
         print(f"highest rate meeting the card's objectives on {sc.topology.describe()}: "
               + (f"{m.rate:.3g} req/s" if m.rate else "none (even a light load misses them)")
               + f" (saturation {m.saturation:.3g} req/s)")
     if args.target_rate:
-        n, s = capacity.replicas_for(sc, args.target_rate)
+        n, s = capacity.replicas_for(search, args.target_rate)
         out["replicas_for_target"] = {"rate": args.target_rate, "router": args.router, "replicas": n,
                                       "at_target": _compact(sc.card, s) if s else None}
         print(f"replicas needed for {args.target_rate:g} req/s ({args.router}): {n if n else 'more than 32'}")
     if args.disaggregate:
-        rows = capacity.disaggregation(sc, args.disaggregate)
+        rows = capacity.disaggregation(search, args.disaggregate)
         out["disaggregation"] = [{"topology": t.describe(), "max_rate": m.rate, "saturation": m.saturation,
                                   "at_max": _compact(sc.card, m.summary) if m.summary else None} for t, m in rows]
         print_disagg(out["disaggregation"])
@@ -415,8 +419,9 @@ def _validate(args) -> int:
             if getattr(args, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give at least one request")
         # The rate at which the card is met is a property of the load, so the search simulates a large draw, as
-        # `predict` does; at validate's 60 requests a point, one draw's p99 (about its largest gap) moved the
-        # search's answer by 15% (2.85 against 2.45 req/s on examples/card-cpu.yaml).
+        # predict's searches do. On examples/card-cpu.yaml a draw's TTFT p99 decides it, and the answer moved with
+        # the draw's size: 2.85 req/s at 60 requests a point against 2.45 at 400 (one profile); on another, 1.45 at
+        # 400, 1.09 / 1.16 / 1.11 at 1,000 / 2,000 / 4,000 (docs/benchmarks.md).
         m = capacity.max_rate(replace(sc, requests=args.search_requests))
         if m.rate is None:
             raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
