@@ -63,7 +63,10 @@ def test_chat_top_logprobs_agree_with_transformers(api, llm_fp32, hf_model):
     chunks = api.chat.completions.create(model=eng.model_name, messages=CHAT, temperature=0, max_tokens=n,
                                          logprobs=True, top_logprobs=5, stream=True, extra_body={"ignore_eos": True})
     streamed = [c for ch in chunks for choice in ch.choices if choice.logprobs for c in choice.logprobs.content]
-    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    # Values within TOL, not rounded equal: the two requests may run in differently shaped batches (rounding ~1e-5
+    # can straddle a 4th-decimal boundary, as it did once in CI).
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < TOL
 
 
 def test_echo_logprobs_equal_the_transformers_log_likelihood(api, llm_fp32, hf_model):
