@@ -287,3 +287,50 @@ def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, m
     assert len(json.loads(out.read_text())["points"]) == 2
     assert shapes and all(s.max_num_seqs == 2 and s.decode_stall_ratio == 1.5 and s.num_blocks == 500
                           for s in shapes)
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25])
+def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_path, monkeypatch, capsys, factor):
+    """validate starts the card's inferlab server with its step trace on and reports, per point, the median of each
+    step's measured period over the profile's prediction for that step: a host that has slowed since the
+    calibration (here every step 1.25x) is named as a stale profile, one that has not (1.0x) is not. Model-free:
+    bench is replaced by a trace of known steps."""
+    from inferlab.engine.step_trace import BatchShape
+    from inferlab.lab import simulate_cli
+    from inferlab.lab.step_cost import shape_features
+
+    card, profile, _ = setup
+    cost = StepCost.load(profile)
+    header = {"schema": "inferlab.step_trace/1", "model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 100,
+              "max_num_seqs": 4, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
+              "block_size": 16, "num_blocks": 500, "enable_prefix_caching": True}
+    real_simulate = capacity.simulate
+    base = capacity.Scenario(load_card(card), cost, shape_from(cost.engine), requests=20)
+
+    def fake_bench_rates(card_, loads, out_dir, seed_base, base_url=None, server_config=None,
+                         arrival=None, burstiness=None):
+        assert base_url is None and server_config["step_trace"]  # the trace is on without --leave-one-out
+        rows, points, t = [], [], 0.0
+        for rate, _ in loads:
+            t0 = t
+            for k in range(40):
+                row = {"t": t, "busy": True, "p": [[0, 64, True]] if k % 8 == 0 else [], "d": 1 + k % 3,
+                       "da": 90 * (1 + k % 3)}
+                row["dt"] = factor * cost.time(shape_features(BatchShape.from_json(row)))
+                rows.append(row)
+                t += row["dt"]
+            points.append((rate, card_, {**real_simulate(replace(base, card=card_), rate=rate), "path": None,
+                                         "window": (t0, t - 1e-9)}))
+        Path(server_config["step_trace"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(server_config["step_trace"]).write_text("\n".join(json.dumps(r) for r in [header, *rows]) + "\n")
+        return points
+
+    monkeypatch.setattr(simulate_cli, "bench_rates", fake_bench_rates)
+    out = tmp_path / "val.json"
+    assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "1,2", "--requests", "20",
+                 "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
+    for p in json.loads(out.read_text())["points"]:
+        r = p["steps_vs_profile"]
+        assert r["steps"] == 40 and r["ratio"] == pytest.approx(factor)
+        assert set(r["by_kind"]) == {"decode", "mixed"} and r["by_kind"]["mixed"]["steps"] == 5
+    assert ("the profile is stale" in capsys.readouterr().out) == (factor != 1.0)

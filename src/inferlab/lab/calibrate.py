@@ -343,3 +343,21 @@ def calibrate_served(trace_paths: list[str | Path], hardware: dict, command: str
                f"next step's start (server overhead between and during steps included)",
                f"step_noise: {NOISE_QUANTILES} quantiles of measured / predicted (mean {ratio.mean():.3f}, p99 "
                f"{np.quantile(ratio, 0.99):.2f})"])
+
+
+def step_time_ratio(cost: StepCost, trace_path: str | Path, windows: list[tuple[float, float]] | None = None
+                    ) -> dict:
+    """How a server's traced steps ran against a profile: the median over steps of measured / predicted period,
+    relative to the profile's own median (its step_noise), overall and per kind of step. 1.0: the steps run as when
+    the profile was fitted. On a shared host the same server drifts by 20% in an hour, and every latency the
+    simulator predicts drifts with it; this is the check that tells a stale profile from a wrong model."""
+    _, rows = read_step_trace(trace_path)
+    feats, times, labels = trace_measurements(rows, windows)
+    base = float(np.median(cost.step_noise)) if cost.step_noise else 1.0
+    ratio = np.array([t / p for f, t in zip(feats, times) if (p := cost.time(f)) > 0]) / base
+    kinds = np.array([lb.split(" (")[0] for f, lb in zip(feats, labels) if cost.time(f) > 0])
+    if not len(ratio):
+        return {"steps": 0, "ratio": None, "by_kind": {}}
+    return {"steps": int(len(ratio)), "ratio": float(np.median(ratio)),
+            "by_kind": {k: {"steps": int((kinds == k).sum()), "ratio": float(np.median(ratio[kinds == k]))}
+                        for k in sorted(set(kinds.tolist()))}}

@@ -407,7 +407,7 @@ VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), (
 
 def _validate(args) -> int:
     from inferlab.lab import capacity
-    from inferlab.lab.calibrate import calibrate_served, shape_from
+    from inferlab.lab.calibrate import calibrate_served, shape_from, step_time_ratio
 
     sc = _scenario(args)
     rates = _rates(args.rates) or []
@@ -434,18 +434,19 @@ def _validate(args) -> int:
     arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
     out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url,
            "leave_one_out": args.leave_one_out, "points": []}
-    trace = None
-    if args.leave_one_out:
-        if args.base_url or sc.card.server.kind != "inferlab" or len(loads) < 2:
-            raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
-                             "(it reads the server's step trace)")
-        trace = Path(args.output_dir) / "steps.jsonl"
+    if args.leave_one_out and (args.base_url or sc.card.server.kind != "inferlab" or len(loads) < 2):
+        raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
+                         "(it reads the server's step trace)")
+    # An inferlab server started here always writes its step trace: besides leave-one-out, it tells whether the
+    # server's steps ran as the profile says (a stale profile) when a prediction misses.
+    trace = Path(args.output_dir) / "steps.jsonl" if args.base_url is None and sc.card.server.kind == "inferlab" \
+        else None
     points = bench_rates(sc.card, loads, Path(args.output_dir), seed_base=sc.card.traffic.seed,
                          base_url=args.base_url, arrival=arrival, burstiness=args.burstiness,
                          server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
     for i, ((rate, card_k, measured), (_, requests)) in enumerate(zip(points, loads)):
         cost, shape = sc.cost, sc.shape
-        if trace is not None:
+        if args.leave_one_out:
             cost = calibrate_served([trace], sc.cost.hardware,
                                     windows=[m["window"] for j, (_, _, m) in enumerate(points) if j != i])
             cost.request_overhead = sc.cost.request_overhead  # the profile's: a served trace cannot see it
@@ -460,8 +461,12 @@ def _validate(args) -> int:
                      results=measured.get("path"),
                      meets_measured=capacity.meets(sc.card, measured),
                      meets_predicted=capacity.meets(sc.card, predicted))
+        if trace is not None:
+            point["steps_vs_profile"] = step_time_ratio(cost, trace, windows=[measured["window"]])
         out["points"].append(point)
     print_validation(out["points"])
+    if trace is not None:
+        print_step_drift(out["points"])
     if bracket is not None:
         out["max_rate"] = max_rate_verdict(bracket, args.max_rate_within, out["points"])
         print(out["max_rate"]["verdict"])
@@ -510,6 +515,26 @@ def bench_rates(card, loads: list[tuple[float, int]], out_dir: Path, seed_base: 
         if srv is not None:
             srv.stop()
     return points
+
+
+STALE = 0.1  # steps this much slower or faster than the profile's: say so
+
+
+def print_step_drift(points: list[dict]) -> None:
+    """One line a point: how the server's steps ran against the step cost that predicted it, and a warning where
+    they ran more than STALE off (the host's speed moved since the calibration, or the load forms steps the
+    profile did not see: the decode ratio tells the first, as every load has decodes)."""
+    for p in points:
+        r = p.get("steps_vs_profile") or {}
+        if not r.get("ratio"):
+            continue
+        kinds = ", ".join(f"{k} x{v['ratio']:.2f} ({v['steps']})" for k, v in r["by_kind"].items())
+        line = f"{p['rate']:g} req/s: the server's steps ran x{r['ratio']:.2f} the profile's time (median of " \
+               f"{r['steps']}; {kinds})"
+        if abs(r["ratio"] - 1) > STALE:
+            line += " - the profile is stale for this host and load: recalibrate, or read the predicted latencies " \
+                    "as that much off"
+        print(line)
 
 
 def max_rate_verdict(bracket: tuple[float, float, float], within: float, points: list[dict]) -> dict:
