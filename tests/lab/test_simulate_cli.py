@@ -289,12 +289,15 @@ def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, m
                           for s in shapes)
 
 
-@pytest.mark.parametrize("factor", [1.0, 1.25])
-def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_path, monkeypatch, capsys, factor):
+@pytest.mark.parametrize("decode, mixed, says", [(1.0, 1.0, None), (1.25, 1.25, "stale profile"),
+                                                 (1.0, 1.3, "calibration's did not")])
+def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_path, monkeypatch, capsys, decode,
+                                                                     mixed, says):
     """validate starts the card's inferlab server with its step trace on and reports, per point, the median of each
-    step's measured period over the profile's prediction for that step: a host that has slowed since the
-    calibration (here every step 1.25x) is named as a stale profile, one that has not (1.0x) is not. Model-free:
-    bench is replaced by a trace of known steps."""
+    step's measured period over the profile's prediction for that step, per kind: a host that has slowed since the
+    calibration (every step 1.25x) is named as a stale profile; decodes on time but steps with a prefill 1.3x, as
+    a profile fitted to another load's prompts; all on time, nothing. Model-free: bench is replaced by a trace of
+    known steps."""
     from inferlab.engine.step_trace import BatchShape
     from inferlab.lab import simulate_cli
     from inferlab.lab.step_cost import shape_features
@@ -314,9 +317,9 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
         for rate, _ in loads:
             t0 = t
             for k in range(40):
-                row = {"t": t, "busy": True, "p": [[0, 64, True]] if k % 8 == 0 else [], "d": 1 + k % 3,
+                row = {"t": t, "busy": True, "p": [[0, 64, True]] if k % 2 == 0 else [], "d": 1 + k % 3,
                        "da": 90 * (1 + k % 3)}
-                row["dt"] = factor * cost.time(shape_features(BatchShape.from_json(row)))
+                row["dt"] = (mixed if row["p"] else decode) * cost.time(shape_features(BatchShape.from_json(row)))
                 rows.append(row)
                 t += row["dt"]
             points.append((rate, card_, {**real_simulate(replace(base, card=card_), rate=rate), "path": None,
@@ -331,6 +334,9 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
                  "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
     for p in json.loads(out.read_text())["points"]:
         r = p["steps_vs_profile"]
-        assert r["steps"] == 40 and r["ratio"] == pytest.approx(factor)
-        assert set(r["by_kind"]) == {"decode", "mixed"} and r["by_kind"]["mixed"]["steps"] == 5
-    assert ("the profile is stale" in capsys.readouterr().out) == (factor != 1.0)
+        assert r["steps"] == 40 and r["by_kind"]["mixed"]["steps"] == 20 and set(r["by_kind"]) == {"decode", "mixed"}
+        assert r["by_kind"]["decode"]["ratio"] == pytest.approx(decode)
+        assert r["by_kind"]["mixed"]["ratio"] == pytest.approx(mixed)
+    printed = capsys.readouterr().out
+    for text in ("stale profile", "calibration's did not"):
+        assert (text in printed) == (text == says)

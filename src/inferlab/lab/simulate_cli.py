@@ -518,23 +518,37 @@ def bench_rates(card, loads: list[tuple[float, int]], out_dir: Path, seed_base: 
 
 
 STALE = 0.1  # steps this much slower or faster than the profile's: say so
+KIND_STEPS = 20  # a kind of step with fewer steps than this at a point is too few to judge
+
+
+def step_drift_warning(r: dict) -> str | None:
+    """What a point's steps-against-profile ratios say, when something is off by more than STALE. Decode steps
+    come in every load, so their ratio is the host's speed against the calibration's: off, the profile is stale.
+    With decodes on time, a kind of step that is off is one the calibration's load did not form (long prompts'
+    prefills, measured, under a profile fitted to short ones): the profile is the wrong one for this load."""
+    kinds = {k: v for k, v in r["by_kind"].items() if v["steps"] >= KIND_STEPS}
+    host = kinds.get("decode", {"ratio": r["ratio"]})["ratio"]
+    if abs(host - 1) > STALE:
+        return (f"decode steps ran x{host:.2f} the profile's: the host's speed has moved since the calibration "
+                f"(a stale profile); recalibrate, or read the predicted latencies as that much off")
+    off = [f"{k} x{v['ratio']:.2f}" for k, v in kinds.items() if abs(v["ratio"] - 1) > STALE]
+    if off:
+        return (f"{', '.join(off)} against the profile while decodes ran on time: this load forms steps the "
+                f"calibration's did not; calibrate on this card's load")
+    return None
 
 
 def print_step_drift(points: list[dict]) -> None:
-    """One line a point: how the server's steps ran against the step cost that predicted it, and a warning where
-    they ran more than STALE off (the host's speed moved since the calibration, or the load forms steps the
-    profile did not see: the decode ratio tells the first, as every load has decodes)."""
+    """One line a point: how the server's steps ran against the step cost that predicted it, with a warning where
+    something ran more than STALE off."""
     for p in points:
         r = p.get("steps_vs_profile") or {}
         if not r.get("ratio"):
             continue
         kinds = ", ".join(f"{k} x{v['ratio']:.2f} ({v['steps']})" for k, v in r["by_kind"].items())
-        line = f"{p['rate']:g} req/s: the server's steps ran x{r['ratio']:.2f} the profile's time (median of " \
-               f"{r['steps']}; {kinds})"
-        if abs(r["ratio"] - 1) > STALE:
-            line += " - the profile is stale for this host and load: recalibrate, or read the predicted latencies " \
-                    "as that much off"
-        print(line)
+        warning = step_drift_warning(r)
+        print(f"{p['rate']:g} req/s: the server's steps ran x{r['ratio']:.2f} the profile's time (median of "
+              f"{r['steps']}; {kinds})" + (f" - {warning}" if warning else ""))
 
 
 def max_rate_verdict(bracket: tuple[float, float, float], within: float, points: list[dict]) -> dict:
