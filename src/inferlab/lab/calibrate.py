@@ -354,9 +354,10 @@ def step_time_ratio(cost: StepCost, trace_path: str | Path, windows: list[tuple[
     _, rows = read_step_trace(trace_path)
     feats, times, labels = trace_measurements(rows, windows)
     base = float(np.median(cost.step_noise)) if cost.step_noise else 1.0
-    ratio = np.array([t / p for f, t in zip(feats, times) if (p := cost.time(f)) > 0]) / base
-    kinds = np.array([lb.split(" (")[0] for f, lb in zip(feats, labels) if cost.time(f) > 0])
-    if not len(ratio):
+    kept = [(t / p, lb.split(" (")[0]) for f, t, lb in zip(feats, times, labels) if (p := cost.time(f)) > 0]
+    ratio = np.array([r for r, _ in kept]) / base
+    kinds = np.array([k for _, k in kept])
+    if not kept:
         return {"steps": 0, "ratio": None, "by_kind": {}}
     return {"steps": int(len(ratio)), "ratio": float(np.median(ratio)),
             "by_kind": {k: {"steps": int((kinds == k).sum()), "ratio": float(np.median(ratio[kinds == k]))}
