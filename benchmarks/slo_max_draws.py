@@ -17,7 +17,6 @@ import time
 from dataclasses import replace
 
 from inferlab.lab import capacity
-from inferlab.lab.calibrate import shape_from
 from inferlab.lab.capacity import Scenario
 from inferlab.lab.card import load_card
 from inferlab.lab.step_cost import StepCost
@@ -34,10 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     card = load_card(args.card)
     cost = StepCost.load(args.profile)
-    shape = shape_from(cost.engine)
-    for k, v in card.server.config.items():  # the card's server settings, as `inferlab simulate` applies them
-        if hasattr(shape, k.replace("-", "_")):
-            setattr(shape, k.replace("-", "_"), v)
+    shape = capacity.card_shape(card, cost)  # the scheduler `inferlab simulate` runs for this card
     for rate in (float(r) for r in args.rates.split(",")):
         met, p99 = 0, []
         for i in range(args.draws):

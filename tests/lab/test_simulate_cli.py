@@ -218,10 +218,6 @@ def test_validate_searches_the_max_rate_on_a_large_draw(setup, tmp_path):
     """The SLO-max rate that validate brackets is the search's answer on --search-requests simulated requests a
     point, not on the few each measured point has (one small draw's p99 moves the answer); the bracket's two rates
     are measured (and simulated) with --bracket-requests each, the other rates with --requests."""
-    from types import SimpleNamespace
-
-    from inferlab.lab.simulate_cli import _scenario
-
     card, profile, _ = setup
     _serve_with_fake_server(card)
     out = tmp_path / "val.json"
@@ -229,8 +225,8 @@ def test_validate_searches_the_max_rate_on_a_large_draw(setup, tmp_path):
                  "--search-requests", "300", "--max-rate-within", "0.15", "--bracket-requests", "9",
                  "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
     got = json.loads(out.read_text())["max_rate"]
-    sc = _scenario(SimpleNamespace(card=str(card), profile=str(profile), max_queue=None, requests=300, arrival=None,
-                                   burstiness=None))
+    c, cost = load_card(card), StepCost.load(profile)
+    sc = capacity.Scenario(c, cost, capacity.card_shape(c, cost), requests=300)
     small = capacity.max_rate(replace(sc, requests=6)).rate
     assert got["predicted"] == pytest.approx(capacity.max_rate(sc).rate)
     assert got["predicted"] != pytest.approx(small)  # the sample size matters here, so the check above can fail

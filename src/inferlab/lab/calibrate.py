@@ -345,20 +345,19 @@ def calibrate_served(trace_paths: list[str | Path], hardware: dict, command: str
                f"{np.quantile(ratio, 0.99):.2f})"])
 
 
-def step_time_ratio(cost: StepCost, trace_path: str | Path, windows: list[tuple[float, float]] | None = None
-                    ) -> dict:
-    """How a server's traced steps ran against a profile: the median over steps of measured / predicted period,
-    relative to the profile's own median (its step_noise), overall and per kind of step. 1.0: the steps run as when
-    the profile was fitted. On a shared host the same server drifts by 20% in an hour, and every latency the
-    simulator predicts drifts with it; this is the check that tells a stale profile from a wrong model."""
-    _, rows = read_step_trace(trace_path)
+def step_time_ratio(cost: StepCost, rows: list[dict], windows: list[tuple[float, float]] | None = None) -> dict:
+    """How a server's traced steps (read_step_trace's rows) ran against a profile: the median over steps of
+    measured / predicted period, relative to the profile's own median (its step_noise), overall and per kind of
+    step. 1.0: the steps run as when the profile was fitted. On a shared host the same server drifts by 20% in an
+    hour, and every latency the simulator predicts drifts with it; this is the check that tells a stale profile
+    from a wrong model."""
     feats, times, labels = trace_measurements(rows, windows)
-    base = float(np.median(cost.step_noise)) if cost.step_noise else 1.0
     kept = [(t / p, lb.split(" (")[0]) for f, t, lb in zip(feats, times, labels) if (p := cost.time(f)) > 0]
-    ratio = np.array([r for r, _ in kept]) / base
-    kinds = np.array([k for _, k in kept])
     if not kept:
         return {"steps": 0, "ratio": None, "by_kind": {}}
+    base = float(np.median(cost.step_noise)) if cost.step_noise else 1.0
+    ratio = np.array([r for r, _ in kept]) / base
+    kinds = np.array([k for _, k in kept])
     return {"steps": int(len(ratio)), "ratio": float(np.median(ratio)),
             "by_kind": {k: {"steps": int((kinds == k).sum()), "ratio": float(np.median(ratio[kinds == k]))}
                         for k in sorted(set(kinds.tolist()))}}

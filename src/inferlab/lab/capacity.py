@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from inferlab.lab.calibrate import shape_from
 from inferlab.lab.card import Card, Check, evaluate
 from inferlab.lab.sim_summary import summarize
 from inferlab.lab.sim_workload import card_requests
@@ -36,6 +37,19 @@ class Scenario:
 
     def with_topology(self, **kw) -> "Scenario":
         return replace(self, topology=replace(self.topology, **kw))
+
+
+def card_shape(card: Card, cost: StepCost, max_queue: int | None = None) -> EngineShape:
+    """The scheduler the card's server would run: the profile's settings, with the card's own server config (and
+    an admission limit, when given) over them."""
+    shape = shape_from(cost.engine)
+    if max_queue is not None:
+        shape.max_queue = max_queue
+    for k, v in card.server.config.items():
+        k = k.replace("-", "_")
+        if hasattr(shape, k):
+            setattr(shape, k, v)
+    return shape
 
 
 def simulate(sc: Scenario, rate: float | None = None, users: int | None = None, speed: float = 1.0) -> dict:

@@ -245,22 +245,14 @@ def _console():
 # --- predict -----------------------------------------------------------------------------------------------------
 
 def _scenario(args):
-    from inferlab.lab.calibrate import shape_from
-    from inferlab.lab.capacity import Scenario
+    from inferlab.lab.capacity import Scenario, card_shape
     from inferlab.lab.card import load_card
     from inferlab.lab.step_cost import StepCost
 
     card = load_card(args.card)
     cost = StepCost.load(args.profile)
-    shape = shape_from(cost.engine)
-    if args.max_queue is not None:
-        shape.max_queue = args.max_queue
-    # The card's own server config overrides the profile's scheduler settings (what it would run with).
-    for k, v in card.server.config.items():
-        k = k.replace("-", "_")
-        if hasattr(shape, k):
-            setattr(shape, k, v)
-    return Scenario(card, cost, shape, requests=args.requests, arrival=args.arrival, burstiness=args.burstiness)
+    return Scenario(card, cost, card_shape(card, cost, args.max_queue), requests=args.requests,
+                    arrival=args.arrival, burstiness=args.burstiness)
 
 
 def _rates(text: str | None) -> list[float] | None:
@@ -407,6 +399,7 @@ VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), (
 
 def _validate(args) -> int:
     from inferlab.lab import capacity
+    from inferlab.engine.step_trace import read_step_trace
     from inferlab.lab.calibrate import calibrate_served, shape_from, step_time_ratio
 
     sc = _scenario(args)
@@ -444,6 +437,7 @@ def _validate(args) -> int:
     points = bench_rates(sc.card, loads, Path(args.output_dir), seed_base=sc.card.traffic.seed,
                          base_url=args.base_url, arrival=arrival, burstiness=args.burstiness,
                          server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
+    steps = read_step_trace(trace)[1] if trace is not None else None
     for i, ((rate, card_k, measured), (_, requests)) in enumerate(zip(points, loads)):
         cost, shape = sc.cost, sc.shape
         if args.leave_one_out:
@@ -461,8 +455,8 @@ def _validate(args) -> int:
                      results=measured.get("path"),
                      meets_measured=capacity.meets(sc.card, measured),
                      meets_predicted=capacity.meets(sc.card, predicted))
-        if trace is not None:
-            point["steps_vs_profile"] = step_time_ratio(cost, trace, windows=[measured["window"]])
+        if steps is not None:
+            point["steps_vs_profile"] = step_time_ratio(cost, steps, windows=[measured["window"]])
         out["points"].append(point)
     print_validation(out["points"])
     if trace is not None:
