@@ -175,39 +175,49 @@ def test_blackbox_calibration_recovers_known_coefficients(tmp_path):
 
 def test_served_calibration_recovers_known_coefficients(tmp_path):
     """A step trace as `inferlab serve --step-trace` writes it, from a server whose step periods follow a known model
-    (with a prefill step's own fixed cost, 3% noise, a few stalled steps, idle spells after 5% of the steps): the
-    fit recovers the model."""
+    (with a prefill step's own fixed cost, prefill attention priced per (query, key) pair, 3% noise, a few stalled
+    steps, idle spells after 5% of the steps): the fit recovers the model."""
     true = StepCost(intercept=0.011, per_prefill_token=4.5e-4, per_decode_seq=1e-3, per_attended=1e-6,
-                    per_prefill_step=0.010)
+                    per_prefill_step=0.010, per_prefill_pair=5e-7)
     rng = np.random.default_rng(3)
     header = {"model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 100, "max_num_seqs": 8,
               "max_num_batched_tokens": 512, "max_prefill_tokens_with_decodes": None, "block_size": 16,
               "num_blocks": 999, "enable_prefix_caching": True}
-    rows, t = [], 0.0
+    rows, t, stalled = [], 0.0, 0
     for i in range(3000):
         k = int(rng.integers(0, 9))
-        chunks = [] if k and rng.random() < 0.97 else [(0, int(rng.integers(16, 512)), True)]
+        # A tenth of the prefill chunks continue a long prompt, up to 3,584 tokens deep (a depth probe's).
+        deep = rng.random() < 0.1
+        chunks = [] if k and rng.random() < 0.97 else \
+            [(int(rng.integers(1, 8)) * 512, 512, True) if deep else (0, int(rng.integers(16, 512)), True)]
         shape = BatchShape(tuple(chunks), k, int(k * rng.integers(64, 600)))
         period = true.time(shape_features(shape)) * float(rng.lognormal(0, 0.03))
         if rng.random() < 0.01:
             period *= rng.uniform(3, 10)  # another process stalled this step
+            stalled += 1
         busy = rng.random() > 0.05
         rows.append({"t": t, "dt": period - 3e-4, "busy": busy, **shape.to_json()})  # 0.3 ms between steps
         t += period if busy else period + rng.uniform(0.1, 2.0)  # an idle spell: dt + the usual gap stands in
     path = tmp_path / "steps.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [{"schema": "inferlab.step_trace/1", **header}, *rows]) + "\n")
     got = calibrate_served([path], hardware={})
-    for c in ("intercept", "per_prefill_token", "per_decode_seq", "per_prefill_step"):
+    for c in ("intercept", "per_prefill_token", "per_decode_seq", "per_prefill_step", "per_prefill_pair"):
         assert getattr(got, c) == pytest.approx(getattr(true, c), rel=0.1), c
     assert 0.3 * true.per_attended < got.per_attended < 3 * true.per_attended
     assert got.request_overhead == 0.0 and got.engine["num_blocks"] == 999 and got.source == "served step trace"
-    assert got.fit.n == len(rows) and got.fit.outliers >= 20
+    assert got.fit.n == len(rows) and got.fit.outliers >= stalled > 10
     # Stalls left out of the fit are kept in the step noise the simulator draws from: its mean reproduces the
     # traced total time, its top quantile the stalls.
     noise = np.array(got.step_noise)
     assert len(noise) == 100 and (np.diff(noise) >= 0).all() and noise[-1] > 2.5
     total = sum(r["measured"] for r in got.fit.rows) / sum(r["predicted"] for r in got.fit.rows)
     assert noise.mean() == pytest.approx(total, rel=0.03)
+    # Without the deep chunks no step attends PAIR_DEPTH keys a token: the pair is left unpriced, not fitted to
+    # noise.
+    shallow = tmp_path / "shallow.jsonl"
+    shallow.write_text("\n".join(json.dumps(r) for r in [{"schema": "inferlab.step_trace/1", **header},
+                                                          *(r for r in rows if all(c == 0 for c, _, _ in r["p"]))]))
+    assert calibrate_served([shallow], hardware={}).per_prefill_pair == 0.0
     (tmp_path / "other.jsonl").write_text('{"index": 0}\n')
     with pytest.raises(ValueError, match="not a step trace"):
         calibrate_served([tmp_path / "other.jsonl"], hardware={})

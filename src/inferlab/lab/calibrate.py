@@ -136,12 +136,17 @@ def calibrate_engine(config, repeats: int = 3, log=print) -> StepCost:
                f"forward + sample + append); request_overhead is not visible offline and is 0"])
 
 
+PAIR_DEPTH = 512  # keys a prefill token must attend, in some measured step, for the fit to price a pair
+
+
 def unidentified(feats: list[StepFeatures]) -> tuple[str, ...]:
-    """Terms the measurements cannot pin down, left at 0 rather than fitted to noise. Prefill attention pairs cost
-    ~1 ns each on the 2-core machine: under 1% of a prefill step until its queries attend ~2,000 keys on average,
-    and a fit on shorter prompts handed the term whatever noise it liked (0.5 µs a pair, seen)."""
+    """Terms the measurements cannot pin down, left at 0 rather than fitted to noise. A prefill (query, key) pair
+    costs 0.58 µs served on the 2-core machine: a quarter of a token's 1.03 ms once its queries attend ~500 keys.
+    Shallower, the fit cannot tell it from the per-token cost: on prompts of 64-256 tokens (at most ~170 keys a
+    token) it priced a pair at 0.98 µs, and a profile with that price over-predicted 256-1024-token prompts' TTFT by
+    15%. `calibrate served` adds a depth probe (depth_probe.py) that reaches past PAIR_DEPTH."""
     deepest = max((f.prefill_pairs / f.prefill_tokens for f in feats if f.prefill_tokens), default=0.0)
-    return ("per_prefill_pair",) if deepest < 2048 else ()
+    return ("per_prefill_pair",) if deepest < PAIR_DEPTH else ()
 
 
 def keep_features(q, feats: list[StepFeatures]) -> None:

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sv.add_argument("--requests", type=int, default=60, help="measured requests per rate")
     sv.add_argument("--output-dir", default="simulate-calibrate", help="bench results and the step trace go here")
     sv.add_argument("-o", "--output", default="step-cost.json")
+    sv.add_argument("--depth-probe", type=int, default=4096, metavar="TOKENS",
+                    help="then serve prompts of 512, 1024, ... up to this many tokens, one at a time, so that the fit "
+                         "sees prefill attention deeper than the card's prompts and the profile predicts longer "
+                         "ones (~30 s on a 2-core CPU at 4096); 0: the card's load only")
     tr = cal.add_parser("trace", help="fit to step traces written by `inferlab serve --step-trace`")
     tr.add_argument("traces", nargs="+", help="trace files of one engine setting (a disaggregated server's worker "
                                               "traces together)")
@@ -176,20 +180,35 @@ def _calibrate_served(args, command: str):
     from inferlab.lab import capacity
     from inferlab.lab.calibrate import calibrate_served, shape_from
     from inferlab.lab.capacity import Scenario
-    from inferlab.lab.card import load_card
+    from inferlab.lab.card import load_card, start_server
+    from inferlab.lab.depth_probe import probe_depths
 
     card = load_card(args.card)
     if card.server.kind != "inferlab":
         raise ValueError(f"{args.card}: `calibrate served` needs the card's server to be inferlab's (it reads the "
                          f"engine's step trace); for another server use `calibrate bench`")
+    if args.depth_probe < 0:
+        raise ValueError(f"--depth-probe {args.depth_probe}: give a prompt length in tokens, or 0 for no probe")
     out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / "steps.jsonl"
     rates = _rates(args.rates) or []
-    # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
-    # validation run on the same server, or the other way round.
-    points = bench_rates(card, [(r, args.requests) for r in rates], out_dir, seed_base=card.traffic.seed + 1000,
-                         server_config={**card.server.config, "step_trace": str(trace)})
+    print(f"starting the card's server ({card.server.kind}) with a step trace ...", file=sys.stderr)
+    srv = start_server(card.server, config={**card.server.config, "step_trace": str(trace)},
+                       log_path=out_dir / "server.log")
+    try:
+        # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
+        # validation run on the same server, or the other way round.
+        points = bench_rates(card, [(r, args.requests) for r in rates], out_dir, seed_base=card.traffic.seed + 1000,
+                             base_url=srv.base_url)
+        probed = probe_depths(srv.base_url, args.depth_probe, api_key=srv.api_key,
+                              log=lambda m: print(m, file=sys.stderr)) if args.depth_probe else []
+    finally:
+        srv.stop()
     cost = calibrate_served([trace], _this_machine(), command)
+    if probed:
+        cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
+                          f"after the card's load, {len(probed)} in all (depth_probe.py)")
     sc = Scenario(card, cost, shape_from(cost.engine), requests=args.requests)
     if points:
         rate, card_k, measured = min(points, key=lambda p: p[0])

@@ -9,8 +9,10 @@ Why this form. An engine step (schedule -> forward -> sample) on inferlab's engi
   - per key a decode attends: it reads that key's K and V from the cache, once per layer (memory: 23 KB a key for
     SmolLM2 in bf16, ~1 µs at 20 GB/s)                                      -> `per_attended`
   - per (query, key) pair of a prefill chunk's attention: n tokens after c computed ones do n·(c + (n+1)/2) pairs
-    (causal); the chunk reads each key once for all its queries, so the cost is compute (~1 ns a pair), a thousand
-    times less than a decode's per key: one coefficient for both fits neither -> `per_prefill_pair`
+    (causal); the chunk reads each key once for all its queries, so the cost is compute (QK and PV: 4 x heads x
+    head_dim FLOPs a layer, 69 kFLOP for SmolLM2; 0.58 µs served on the 2-core machine, where a decode pays ~1.5 µs
+    a key to read it): one coefficient for both fits neither. A 1,000-token prompt's attention is a quarter of its
+    GEMMs' time                                                             -> `per_prefill_pair`
   - per sampled row: the LM head's logits for each sequence that reached its last token, and the sampler on them
                                                                             -> `per_sampled_row`
   - per step that carries any prefill: the general path's own fixed cost. Engines run decode-only steps on a

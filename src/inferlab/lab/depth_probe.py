@@ -1,0 +1,90 @@
+"""The depth probe: prompts served one at a time, at lengths up to a few thousand tokens, so that a served
+calibration sees prefill attention at depth.
+
+Why. A prefill chunk's attention costs per (query, key) pair, and a card of short prompts never attends deep
+enough for the fit to tell that cost from the per-token GEMMs'. Measured on the 2-core machine: a profile fitted
+to examples/card-cpu.yaml (prompts 64-256 tokens) priced a pair at 0.98 µs or, with the term left out, folded it
+into the per-token cost; either way its TTFT on examples/card-cpu-long.yaml (256-1024 tokens) was 9-17% off. Fitted
+with prompts 768 keys deep, the pair costs 0.58 µs and the per-token cost agrees across both cards (1.03 ms).
+A few prompts of 512 to 4,096 tokens, alone on the server so that their chunks are prefill-only steps, pin it
+down in ~30 s, and the profile then predicts prompt lengths the card never sent.
+
+The prompts are token ids (the completions API takes them), so each length is exact and needs no tokenizer; each
+asks for two tokens, so its last step also times one decode at that depth.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+SHALLOWEST = 512
+
+
+def depth_ladder(deepest: int, context: int) -> list[int]:
+    """Prompt lengths from 512 doubling up to `deepest`, each leaving room in the server's context for the two
+    tokens asked."""
+    top = min(deepest, context - 2)
+    lengths, n = [], SHALLOWEST
+    while n <= top:
+        lengths.append(n)
+        n *= 2
+    if top >= SHALLOWEST and lengths[-1] < top:
+        lengths.append(top)
+    return lengths
+
+
+def probe_depths(base_url: str, deepest: int, repeats: int = 2, api_key: str | None = None, seed: int = 0,
+                 log=print) -> list[int]:
+    """Serve the ladder `repeats` times, one request at a time, with new random prompts each time (no
+    prefix-cache hits). Returns the prompt lengths served. The server must be idle meanwhile: another request's
+    decodes would share the probe's steps."""
+    model, context = _model(base_url, api_key)
+    lengths = depth_ladder(deepest, context)
+    if not lengths:
+        raise ValueError(f"the depth probe needs room for a prompt of {SHALLOWEST} tokens; the server's context "
+                         f"is {context} tokens and the probe was asked for at most {deepest}")
+    rng = np.random.default_rng(seed)
+    served = []
+    for _ in range(repeats):
+        for n in lengths:
+            # Ids 100-20,000: inside any served vocabulary, past the special tokens.
+            body = {"model": model, "prompt": rng.integers(100, 20_000, n).tolist(), "max_tokens": 2,
+                    "ignore_eos": True, "temperature": 0.0}
+            usage = _post(base_url + "/v1/completions", body, api_key)["usage"]
+            if usage["prompt_tokens"] != n:
+                raise ValueError(f"the depth probe sent {n} token ids and the server counted "
+                                 f"{usage['prompt_tokens']}: it does not take token-id prompts as sent")
+            served.append(n)
+        log(f"depth probe: served prompts of {', '.join(map(str, lengths))} tokens")
+    return served
+
+
+def _headers(api_key: str | None) -> dict:
+    h = {"Content-Type": "application/json"}
+    if api_key:
+        h["Authorization"] = f"Bearer {api_key}"
+    return h
+
+
+def _model(base_url: str, api_key: str | None) -> tuple[str, int]:
+    req = urllib.request.Request(base_url + "/v1/models", headers=_headers(api_key))
+    with urllib.request.urlopen(req, timeout=30) as r:
+        card = json.load(r)["data"][0]
+    if not card.get("max_model_len"):
+        raise ValueError(f"{base_url}/v1/models does not say the model's context length (max_model_len); the "
+                         f"depth probe needs it to size its prompts")
+    return card["id"], int(card["max_model_len"])
+
+
+def _post(url: str, body: dict, api_key: str | None) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=_headers(api_key), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"the depth probe's request of {len(body['prompt'])} tokens failed: HTTP {e.code} "
+                         f"{e.read().decode(errors='replace')[:300]}") from None
