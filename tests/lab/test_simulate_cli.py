@@ -157,6 +157,8 @@ def test_bad_input_is_named(setup, capsys):
     assert "--search-requests 0: give at least one request" in capsys.readouterr().err
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "1", "--leave-one-out"]) == 2
     assert "--leave-one-out needs at least two rates" in capsys.readouterr().err
+    assert main(["simulate", "calibrate", "served", str(card), "--rates", "1", "--depth-probe", "-1"]) == 2
+    assert "--depth-probe -1: give a prompt length in tokens, or 0 for no probe" in capsys.readouterr().err
 
 
 def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):

@@ -194,17 +194,14 @@ def _calibrate_served(args, command: str):
     trace = out_dir / "steps.jsonl"
     rates = _rates(args.rates) or []
     print(f"starting the card's server ({card.server.kind}) with a step trace ...", file=sys.stderr)
-    srv = start_server(card.server, config={**card.server.config, "step_trace": str(trace)},
-                       log_path=out_dir / "server.log")
-    try:
+    with start_server(card.server, config={**card.server.config, "step_trace": str(trace)},
+                      log_path=out_dir / "server.log") as srv:
         # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
         # validation run on the same server, or the other way round.
         points = bench_rates(card, [(r, args.requests) for r in rates], out_dir, seed_base=card.traffic.seed + 1000,
                              base_url=srv.base_url)
         probed = probe_depths(srv.base_url, args.depth_probe, api_key=srv.api_key,
                               log=lambda m: print(m, file=sys.stderr)) if args.depth_probe else []
-    finally:
-        srv.stop()
     cost = calibrate_served([trace], _this_machine(), command)
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
