@@ -136,3 +136,23 @@ def test_templates_and_errors():
                         "--no-enable-prefix-caching"]
     assert config_flags({"max_num_seqs": 8, "enable_prefix_caching": False, "x": True, "y": None}) == [
         "--max-num-seqs", "8", "--no-enable-prefix-caching", "--x"]
+
+
+def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch):
+    """A port chosen for a server that binds it seconds later must not be one the kernel can hand to another
+    connection meanwhile (a Ray cluster starting beside it takes dozens of ephemeral ports)."""
+    from inferlab.bench import launcher
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(launcher.QUIET_PORTS[0] <= p < min(launcher.QUIET_PORTS[1], ephemeral_low) for p in ports)
+    assert len(ports) > 1  # random, so two launchers at once do not pick the same one
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free indeed
+    # Every quiet port taken: the kernel's choice, still a free port.
+    monkeypatch.setattr(launcher, "port_in_use", lambda host, port: True)
+    p = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p))

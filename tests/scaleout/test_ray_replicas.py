@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from inferlab.bench.launcher import free_port
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'inferlab[ray]' (make install does)")
 openai = pytest.importorskip("openai")
@@ -33,12 +34,6 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 STARTUP_DEADLINE = 900.0  # seconds: a cold start may compile the C++ kernels (minutes on a busy 2-core machine)
 RESTART_DEADLINE = 600.0
 REPLICA_CLASS = "ServeReplica:inferlab:EngineReplica"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(predicate, deadline_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
@@ -58,7 +53,7 @@ def _wait_for(predicate, deadline_s: float, what: str, proc: subprocess.Popen | 
 @contextlib.contextmanager
 def _serve_replicas(log: Path, router: str, scale: tuple[str, ...] = ("--replicas", "2")):
     """`inferlab serve --replicas 2 --router ROUTER` in its own session; yields (base_url, gcs_address)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
            # Ray's own OOM killer compares the whole machine's memory with a threshold; on a shared machine other
            # people's processes would make it kill our replicas. The kernel's OOM killer still applies.

@@ -12,6 +12,7 @@ message needs.
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import signal
 import socket
@@ -34,8 +35,30 @@ class LaunchError(RuntimeError):
         self.server = server  # the stopped engine, when one was started
 
 
+# Ports a server is told to listen on come from below the kernel's ephemeral range and above Ray's worker ports
+# (10002-19999 by default). A server binds its port only once it has loaded its model, seconds after the port was
+# chosen, and meanwhile every outgoing connection and port-0 bind on the machine is handed an ephemeral port: a
+# Ray cluster starting beside it takes dozens, and once took the one a Serve proxy had been given (the test suite,
+# 2026-12-04: "Failed to bind to address '127.0.0.1:44217'").
+QUIET_PORTS = (20000, 32768)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return QUIET_PORTS[1]  # Linux's default; elsewhere the range differs, and the bind below checks anyway
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, that the kernel will not hand to anyone else's connection meanwhile."""
+    low, high = QUIET_PORTS[0], min(QUIET_PORTS[1], _ephemeral_low())
+    rng = random.SystemRandom()  # two launchers started at once must not walk the same sequence
+    for _ in range(64 if high > low else 0):
+        port = rng.randrange(low, high)
+        if not port_in_use(host, port):
+            return port
+    with socket.socket() as s:  # no quiet port free (or none configured): any port the kernel gives
         s.bind((host, 0))
         return s.getsockname()[1]
 
