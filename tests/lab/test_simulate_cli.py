@@ -17,7 +17,7 @@ from inferlab.lab.card import load_card
 from inferlab.lab.calibrate import shape_from
 from inferlab.lab.sim_workload import card_requests
 from inferlab.lab.simulate_cli import compare, max_rate_verdict
-from inferlab.lab.step_cost import StepCost
+from inferlab.lab.step_cost import COEFFICIENTS, StepCost
 
 CARD = """
 version: 1
@@ -294,8 +294,9 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
     """validate starts the card's inferlab server with its step trace on and reports, per point, the median of each
     step's measured period over the profile's prediction for that step, per kind: a host that has slowed since the
     calibration (every step 1.25x) is named as a stale profile; decodes on time but steps with a prefill 1.3x, as
-    a profile fitted to another load's prompts; all on time, nothing. Model-free: bench is replaced by a trace of
-    known steps."""
+    a profile fitted to another load's prompts; all on time, nothing. Where the steps ran off the profile, the point
+    is also simulated at the speed they ran: when the host's speed is all that moved, that reproduces the
+    measurement. Model-free: bench is replaced by a trace of known steps and a simulated measurement."""
     from inferlab.engine.step_trace import BatchShape
     from inferlab.lab import simulate_cli
     from inferlab.lab.step_cost import shape_features
@@ -306,7 +307,11 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
               "max_num_seqs": 4, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
               "block_size": 16, "num_blocks": 500, "enable_prefix_caching": True}
     real_simulate = capacity.simulate
-    base = capacity.Scenario(load_card(card), cost, shape_from(cost.engine), requests=20)
+    # The server as measured: the profile's steps at the trace's speed when every kind ran at one speed.
+    speed = decode if decode == mixed else 1.0
+    truth = StepCost.from_dict({**cost.to_dict(), **{c: getattr(cost, c) * speed for c in COEFFICIENTS
+                                                     if c != "request_overhead"}})
+    base = capacity.Scenario(load_card(card), truth, capacity.card_shape(load_card(card), cost), requests=20)
 
     def fake_bench_rates(card_, loads, out_dir, seed_base, base_url=None, server_config=None,
                          arrival=None, burstiness=None):
@@ -335,6 +340,16 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
         assert r["steps"] == 40 and r["by_kind"]["mixed"]["steps"] == 20 and set(r["by_kind"]) == {"decode", "mixed"}
         assert r["by_kind"]["decode"]["ratio"] == pytest.approx(decode)
         assert r["by_kind"]["mixed"]["ratio"] == pytest.approx(mixed)
+        again = p.get("at_measured_speed")
+        assert (again is None) == (decode == mixed == 1.0)
+        if speed != 1.0:
+            ttft = {m["metric"]: m["rel_error"] for m in p["metrics"]}["ttft p50"]
+            assert ttft < -0.1  # the profile's prediction: the host's slowdown read as the model's error
+            assert again["ratio"] == pytest.approx(speed)
+            assert all(m["rel_error"] == pytest.approx(0, abs=1e-6) for m in again["metrics"]
+                       if m["rel_error"] is not None)
+            assert again["meets_predicted"] == p["meets_measured"]
     printed = capsys.readouterr().out
     for text in ("stale profile", "calibration's did not"):
         assert (text in printed) == (text == says)
+    assert ("at that speed the simulation gives ttft p50" in printed) == (says is not None)
