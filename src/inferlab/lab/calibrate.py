@@ -142,7 +142,7 @@ PAIR_DEPTH = 512  # keys a prefill token must attend, in some measured step, for
 def unidentified(feats: list[StepFeatures]) -> tuple[str, ...]:
     """Terms the measurements cannot pin down, left at 0 rather than fitted to noise. A prefill (query, key) pair
     costs 0.58 µs served on the 2-core machine: a quarter of a token's 1.03 ms once its queries attend ~500 keys.
-    Shallower, the fit cannot tell it from the per-token cost: on prompts of 64-256 tokens (at most ~170 keys a
+    Shallower, the fit cannot tell it from the per-token cost: on prompts of 64-256 tokens (at most ~250 keys a
     token) it priced a pair at 0.98 µs, and a profile with that price over-predicted 256-1024-token prompts' TTFT by
     15%. `calibrate served` adds a depth probe (depth_probe.py) that reaches past PAIR_DEPTH."""
     deepest = max((f.prefill_pairs / f.prefill_tokens for f in feats if f.prefill_tokens), default=0.0)
@@ -322,14 +322,8 @@ def calibrate_served(trace_paths: list[str | Path], hardware: dict, command: str
     if len(times) < 10:
         raise ValueError(f"{len(times)} traced steps with a period: serve some load with --step-trace first "
                          f"(`inferlab simulate calibrate served CARD` does both)")
-    # Each kind of step (decode, prefill, mixed) weighs by the square root of its count, not its count: a
-    # decode-heavy trace has a hundred decode steps for every prefill, and TTFT is all prefill. (Equal weights per
-    # kind let thirty noisy prefills pull the decode fit 80% off, seen.)
-    kinds = [lb.split(" (")[0] for lb in labels]
-    count = {k: kinds.count(k) for k in set(kinds)}
-    weights = [1 / np.sqrt(count[k]) for k in kinds]
     coef, q = fit_step_cost(feats, times, labels=labels, fixed_zero=("request_overhead", *unidentified(feats)),
-                            robust=True, weights=weights)
+                            robust=True, weights=kind_weights(labels))
     keep_features(q, feats)
     shape = EngineShape(header["max_num_seqs"], header["max_num_batched_tokens"],
                         header["max_prefill_tokens_with_decodes"], header["block_size"], header["num_blocks"],
@@ -348,6 +342,15 @@ def calibrate_served(trace_paths: list[str | Path], hardware: dict, command: str
                f"next step's start (server overhead between and during steps included)",
                f"step_noise: {NOISE_QUANTILES} quantiles of measured / predicted (mean {ratio.mean():.3f}, p99 "
                f"{np.quantile(ratio, 0.99):.2f})"])
+
+
+def kind_weights(labels: list[str]) -> list[float]:
+    """Each kind of traced step (decode, prefill, mixed: trace_measurements' labels) weighs by the square root of
+    its count, not its count: a decode-heavy trace has a hundred decode steps for every prefill, and TTFT is all
+    prefill. (Equal weights per kind let thirty noisy prefills pull the decode fit 80% off, seen.)"""
+    kinds = [lb.split(" (")[0] for lb in labels]
+    count = {k: kinds.count(k) for k in set(kinds)}
+    return [1 / np.sqrt(count[k]) for k in kinds]
 
 
 def step_time_ratio(cost: StepCost, rows: list[dict], windows: list[tuple[float, float]] | None = None) -> dict:

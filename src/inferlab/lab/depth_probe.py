@@ -5,7 +5,7 @@ Why. A prefill chunk's attention costs per (query, key) pair, and a card of shor
 enough for the fit to tell that cost from the per-token GEMMs'. Measured on the 2-core machine: a profile fitted
 to examples/card-cpu.yaml (prompts 64-256 tokens) priced a pair at 0.98 µs or, with the term left out, folded it
 into the per-token cost; either way its TTFT on examples/card-cpu-long.yaml (256-1024 tokens) was 9-17% off. Fitted
-with prompts 768 keys deep, the pair costs 0.58 µs and the per-token cost agrees across both cards (1.03 ms).
+with prompts ~970 keys deep, the pair costs 0.58 µs and the per-token cost agrees across both cards (1.03 ms).
 A few prompts of 512 to 4,096 tokens, alone on the server so that their chunks are prefill-only steps, pin it
 down in ~30 s, and the profile then predicts prompt lengths the card never sent.
 

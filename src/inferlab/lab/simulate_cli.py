@@ -173,13 +173,9 @@ def _this_machine() -> dict:
 
 
 def _calibrate_served(args, command: str):
-    """Serve the card's load at each rate with the step trace on, fit the step cost to the trace, then the request
-    overhead (HTTP, tokenization, the first write: outside the steps) to the lowest rate's TTFT: measured p50 minus
-    the simulated one without it. Only there: under a queue, TTFT amplifies every error of the step model (seen:
-    +7 ms at 1 req/s, +173 ms at 3 req/s where four slots queue)."""
-    from inferlab.lab import capacity
-    from inferlab.lab.calibrate import calibrate_served, shape_from
-    from inferlab.lab.capacity import Scenario
+    """Serve the card's load at each rate with the step trace on (then the depth probe), fit the step cost to the
+    trace, then the request overhead to the lowest rate's TTFT (fit_request_overhead)."""
+    from inferlab.lab.calibrate import calibrate_served
     from inferlab.lab.card import load_card, start_server
     from inferlab.lab.depth_probe import probe_depths
 
@@ -206,16 +202,27 @@ def _calibrate_served(args, command: str):
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
                           f"after the card's load, {len(probed)} in all (depth_probe.py)")
-    sc = Scenario(card, cost, shape_from(cost.engine), requests=args.requests)
     if points:
         rate, card_k, measured = min(points, key=lambda p: p[0])
-        predicted = capacity.simulate(replace(sc, card=card_k), rate=rate)
-        m, p = measured["latency"]["ttft"].get("p50"), predicted["latency"]["ttft"].get("p50")
-        if m is not None and p is not None:
-            cost.request_overhead = max(0.0, m - p)
-            cost.notes.append(f"request_overhead: measured - simulated TTFT p50 at {rate:g} req/s "
-                              f"({m * 1e3:.1f} - {p * 1e3:.1f} ms)")
+        fit_request_overhead(cost, card_k, rate, args.requests, measured)
     return cost
+
+
+def fit_request_overhead(cost, card, rate: float, requests: int, measured: dict) -> None:
+    """The request overhead (HTTP, tokenization, the first write: outside the steps) from one calibration run of
+    `card` (as run: its seed) at `rate`, `requests` requests: measured TTFT p50 minus the simulated one without it.
+    From the lowest rate only: under a queue, TTFT amplifies every error of the step model (seen: +7 ms at 1 req/s,
+    +173 ms at 3 req/s where four slots queue)."""
+    from inferlab.lab import capacity
+    from inferlab.lab.calibrate import shape_from
+    from inferlab.lab.capacity import Scenario
+
+    predicted = capacity.simulate(Scenario(card, cost, shape_from(cost.engine), requests=requests), rate=rate)
+    m, p = measured["latency"]["ttft"].get("p50"), predicted["latency"]["ttft"].get("p50")
+    if m is not None and p is not None:
+        cost.request_overhead = max(0.0, m - p)
+        cost.notes.append(f"request_overhead: measured - simulated TTFT p50 at {rate:g} req/s "
+                          f"({m * 1e3:.1f} - {p * 1e3:.1f} ms)")
 
 
 def print_profile(cost) -> None:
