@@ -7,7 +7,8 @@ Fits the step cost to a `calibrate served` run's step trace twice: whole, and cu
 (the fit as it was before the probe), each with its request overhead from the lowest calibration rate, as
 `calibrate served` does. Then predicts every point of the given `simulate validate --json` files (run from the
 same working directory, as their result paths are relative) with both, on the very draws measured, and each
-card's SLO-max rate on a 2,000-request search. `--free-fit TRACE...` also fits step traces with the prefill pair
+card's SLO-max rate on a 2,000-request search; where validate recorded how the steps ran against the profile, the
+point also at the speed they ran (validate's at_measured_speed). `--free-fit TRACE...` also fits step traces with the prefill pair
 priced whatever their depth, to show what a trace alone says of it (docs/benchmarks.md, issue 20).
 """
 
@@ -22,7 +23,7 @@ from inferlab.engine.step_trace import read_step_trace
 from inferlab.lab import calibrate, capacity
 from inferlab.lab.capacity import Scenario, card_shape
 from inferlab.lab.card import load_card
-from inferlab.lab.simulate_cli import compare, fit_request_overhead
+from inferlab.lab.simulate_cli import at_host_speed, compare, fit_request_overhead
 from inferlab.lab.step_cost import fit_step_cost, with_coefficients
 
 SHOWN = ("ttft p50", "ttft p99", "itl p50", "itl p99", "output_tokens_per_s")
@@ -60,8 +61,11 @@ def main() -> None:
     measured = json.loads((folder / f"rate-{rate:g}" / "results.json").read_text())["runs"][0]
     card_k = replace(card, traffic=replace(card.traffic, seed=card.traffic.seed + 1000))  # calibrate's first seed
     profiles = {}
-    for name, windows in (("with the probe", None), ("without", [(rows[0]["t"], probe - 1e-9)])):
-        cost = calibrate.calibrate_served([trace], {}, windows=windows)
+    fits = (("with the probe", None), ("without", [(rows[0]["t"], probe - 1e-9)]))
+    for name, windows in fits:
+        # Hardware stands in by ratios only (at_host_speed scales by them): 1 B/s and 1 FLOP/s.
+        cost = calibrate.calibrate_served([trace], {"name": "this host", "bandwidth": 1.0, "flops": 1.0},
+                                          windows=windows)
         fit_request_overhead(cost, card_k, rate, args.requests, measured)
         profiles[name] = cost
         print(f"{name}: {describe(cost)}")
@@ -70,7 +74,7 @@ def main() -> None:
         path, card_path = spec.split(":", 1)
         vcard = load_card(card_path)
         print(f"\n{card_path} ({path})")
-        for name, cost in profiles.items():
+        for (name, windows), cost in zip(fits, profiles.values()):
             sc = Scenario(vcard, cost, card_shape(vcard, cost), requests=2000)
             print(f"  {name}: SLO-max {capacity.max_rate(sc).rate:.3g} req/s")
             for pt in json.loads(Path(path).read_text())["points"]:
@@ -81,6 +85,14 @@ def main() -> None:
                 errors = {m["metric"]: m["rel_error"] for m in compare(run, predicted)["metrics"]}
                 print(f"    {pt['rate']:g} req/s: " + ", ".join(f"{k} {errors[k]:+.0%}" for k in SHOWN)
                       + f"; meets the card {capacity.meets(vcard, run)} / {capacity.meets(vcard, predicted)}")
+                host = at_host_speed(cost, pt.get("steps_vs_profile") or {}) if windows is None else None
+                if host is not None:  # validate's at_measured_speed, for runs made before validate printed it
+                    again = capacity.simulate(replace(sc, cost=host, card=drawn, arrival="poisson",
+                                                      requests=pt["requests"]), rate=pt["rate"])
+                    errors = {m["metric"]: m["rel_error"] for m in compare(run, again)["metrics"]}
+                    print(f"      at the steps' measured speed (x{pt['steps_vs_profile']['ratio']:.3f}): "
+                          + ", ".join(f"{k} {errors[k]:+.0%}" for k in SHOWN)
+                          + f"; meets the card {capacity.meets(vcard, again)}")
 
 
 if __name__ == "__main__":
