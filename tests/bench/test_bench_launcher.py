@@ -148,11 +148,14 @@ def test_free_ports_come_from_below_the_ephemeral_range(monkeypatch):
     ports = {free_port() for _ in range(20)}
     assert all(launcher.QUIET_PORTS[0] <= p < min(launcher.QUIET_PORTS[1], ephemeral_low) for p in ports)
     assert len(ports) > 1  # random, so two launchers at once do not pick the same one
-    for p in ports:
+    def bind_as_a_server_does(port):  # with SO_REUSEADDR, as uvicorn: an earlier test's TIME_WAIT is no obstacle
         with socket.socket() as s:
-            s.bind(("127.0.0.1", p))  # free indeed
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+
+    for p in ports:
+        bind_as_a_server_does(p)  # free indeed
     # Every quiet port taken: the kernel's choice, still a free port.
     monkeypatch.setattr(launcher, "port_in_use", lambda host, port: True)
-    p = free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", p))
+    bind_as_a_server_does(free_port())
