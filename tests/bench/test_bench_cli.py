@@ -50,6 +50,23 @@ def test_same_seed_same_workload_and_schedule(fake, bench):
     assert [r.input_len for r in runs[0]] == [r.input_len for r in runs[1]]
 
 
+def test_a_text_seed_sends_the_same_draw_in_other_words(fake, bench):
+    """Two runs of one seed at two rates with different --text-seed: the same lengths and the same arrival times
+    scaled by the rate, and no prompt the fake server's prefix cache has seen; a repeated text seed is seen."""
+    url, _ = fake(ttft=0.002, itl=0.001)
+    runs = []
+    for rate, text in (("50", "1"), ("25", "2"), ("25", "2")):
+        rc, res, out = bench("--base-url", url, "--rate", rate, "--num-requests", "8", "--input-len", "uniform:12,40",
+                             "--output-len", "2", "--seed", "9", "--text-seed", text, "--scrape-metrics")
+        assert rc == 0 and res["provenance"]["text_seed"] == int(text)
+        runs.append((sorted(read_records(out / "records.jsonl"), key=lambda r: r.index), res))
+    (a, res_a), (b, res_b), (_, res_c) = runs
+    assert [r.input_len for r in a] == [r.input_len for r in b] and len({r.input_len for r in a}) > 1
+    assert [2 * r.scheduled for r in a] == pytest.approx([r.scheduled for r in b], abs=1e-9)
+    hits = lambda res: res["runs"][0]["server_metrics"]["prefix_cache_hits"]
+    assert hits(res_a) == 0 and hits(res_b) == 0 and hits(res_c) > 0
+
+
 def test_slo_gate_sets_the_exit_status(fake, bench):
     url, _ = fake(ttft=0.05, itl=0.002)
     rc, res, _ = bench("--base-url", url, "--concurrency", "2", "--num-requests", "4", "--input-len", "8",
@@ -117,6 +134,7 @@ def test_repeated_prompts_warn_about_the_prefix_cache(fake, bench):
     (["--base-url", "localhost:8000"], "give a URL"),
     (["--concurrency", "2", "--rate", "3"], "not allowed with"),
     (["--arrival", "gamma"], "--burstiness"),
+    (["--dataset-format", "conversations", "--text-seed", "1"], "--text-seed"),
 ])
 def test_bad_flags_give_a_usage_error_naming_the_problem(bench, capsys, args, msg):
     with pytest.raises(SystemExit) as e:

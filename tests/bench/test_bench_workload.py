@@ -34,6 +34,25 @@ def test_same_seed_same_workload(tok):
     assert a.requests[0].prompt != c.requests[0].prompt
 
 
+def test_a_text_seed_keeps_the_lengths_and_changes_the_words(tok):
+    """--text-seed: the same seed's lengths (and prefix groups) with other words, so a second run of one draw finds
+    nothing of the first in the server's prefix cache; the same text seed gives the same words."""
+    args = (30, LengthDist.parse("uniform:40,200"), LengthDist.parse("uniform:4,40"), tok)
+    plain = synthetic(*args, seed=4, prefix_groups=3, prefix_len=20)
+    a = synthetic(*args, seed=4, prefix_groups=3, prefix_len=20, text_seed=1)
+    b = synthetic(*args, seed=4, prefix_groups=3, prefix_len=20, text_seed=2)
+    again = synthetic(*args, seed=4, prefix_groups=3, prefix_len=20, text_seed=1)
+    for wl in (a, b):
+        assert [r.input_len for r in wl.requests] == [r.input_len for r in plain.requests]
+        assert [r.output_len for r in wl.requests] == [r.output_len for r in plain.requests]
+        assert [tok.count(r.prompt) for r in wl.requests] == [r.input_len for r in wl.requests]
+    assert [r.group for r in a.requests] == [r.group for r in b.requests] and len({r.group for r in a.requests}) == 3
+    firsts = lambda wl: {tok.encode(r.prompt)[:16].__repr__() for r in wl.requests}
+    assert not firsts(a) & firsts(b) and not firsts(a) & firsts(plain)  # no first block in common
+    assert [r.prompt for r in again.requests] == [r.prompt for r in a.requests]
+    assert synthetic(*args, seed=4).requests[0].prompt == synthetic(*args, seed=4, text_seed=None).requests[0].prompt
+
+
 def test_shared_prefix_groups(tok):
     wl = synthetic(40, LengthDist.parse(120), LengthDist.parse(8), tok, seed=2, prefix_groups=3, prefix_len=100)
     assert not wl.cache_free

@@ -16,6 +16,7 @@ ARRIVALS = ("poisson", "gamma", "constant")
 # Spawn keys keep the workload's randomness and each (run, worker)'s arrivals independent of one another.
 STREAM_WORKLOAD = 0
 STREAM_ARRIVALS = 1
+STREAM_TEXT = 2  # synthetic prompts' words, when drawn apart from their lengths (--text-seed)
 
 
 def rng_for(seed: int, *key: int) -> np.random.Generator:

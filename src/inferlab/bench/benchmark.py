@@ -54,6 +54,7 @@ class WorkloadConfig:
     turns: LengthDist = field(default_factory=lambda: LengthDist("fixed", 4))  # synthetic sessions
     first_turn_len: LengthDist | None = None  # synthetic sessions' first user turn (default: input_len)
     think_time: ThinkTime = field(default_factory=ThinkTime)
+    text_seed: int | None = None  # synthetic prompts' words from their own seed (same lengths, fresh text)
 
 
 @dataclass(slots=True)
@@ -150,7 +151,7 @@ class Benchmark:
             return Workload([], spec, sessions=sessions)
         if w.dataset is None:
             return synthetic(self.pool_size(load), w.input_len, w.output_len, tok, self.cfg.seed,
-                             w.prefix_groups, w.prefix_len, part=part)
+                             w.prefix_groups, w.prefix_len, part=part, text_seed=w.text_seed)
         if w.dataset_format == "sharegpt":
             return sharegpt(w.dataset, tok, default_out if w.output_len_given else None)
         if w.dataset_format == "trace":
@@ -287,6 +288,7 @@ class Benchmark:
                        "event_loop": _loop_name(), "workers": cfg.workers, "clock": "time.perf_counter",
                        "receive_clock": Pool(cfg.target.base_url).receive_clock},
             "seed": cfg.seed,
+            "text_seed": cfg.workload.text_seed,
             "tokenizer": self.tokenizer.name if self.tokenizer else None,
             "workload": {"input_len": cfg.workload.input_len.describe(),
                          "output_len": cfg.workload.output_len.describe(),

@@ -111,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--duration", type=_seconds, default=None, help="stop sending after this long, e.g. 60s")
     ld.add_argument("--warmup", type=int, default=0, help="first N requests are sent but left out of the statistics")
     ld.add_argument("--seed", type=int, default=0, help="same seed, same prompts and arrival times")
+    ld.add_argument("--text-seed", type=int, default=None,
+                    help="draw synthetic prompts' words from this seed instead: the same lengths and arrival times "
+                         "as --seed, with text no run of another text seed has put in the server's prefix cache")
     ld.add_argument("--sweep", default=None, help="several load points: 'concurrency:1,4,16', 'rate:1,2,4', a bare "
                                                   "list (rates with --rate, else concurrencies), 'auto' (double "
                                                   "the concurrency until throughput stops rising), or 'slo' (search "
@@ -230,6 +233,9 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
     if args.dataset_format and args.dataset_format != "conversations" and not args.dataset:
         raise ValueError("--dataset-format needs --dataset PATH")
     conversations = args.dataset_format == "conversations"
+    if args.text_seed is not None and (args.dataset or conversations):
+        raise ValueError("--text-seed draws synthetic prompts' words; it has no effect on --dataset or "
+                         "conversations: drop it")
     if not conversations and (args.turns or args.first_turn_len or args.think_time != "0"):
         raise ValueError("--turns, --first-turn-len and --think-time shape conversations: add "
                          "--dataset-format conversations")
@@ -258,7 +264,8 @@ def build_config(args: argparse.Namespace, argv: list[str] | None = None):
                         prefix_groups=args.prefix_groups, prefix_len=args.prefix_len, dataset=args.dataset,
                         dataset_format=fmt, trace_time_unit=args.trace_time_unit, tokenizer=args.tokenizer,
                         conversations=conversations, turns=args.turns or LengthDist("fixed", 4),
-                        first_turn_len=args.first_turn_len, think_time=ThinkTime.parse(args.think_time))
+                        first_turn_len=args.first_turn_len, think_time=ThinkTime.parse(args.think_time),
+                        text_seed=args.text_seed)
     out = Path(args.output_dir or Path("bench-results") / dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     args.dataset_format = fmt
     return BenchConfig(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inferlab.bench.arrivals import STREAM_WORKLOAD, rng_for
+from inferlab.bench.arrivals import STREAM_TEXT, STREAM_WORKLOAD, rng_for
 from inferlab.bench.tokenizer import BenchTokenizer
 
 
@@ -134,14 +134,17 @@ def exact_texts(tok: BenchTokenizer, lengths: list[int], rng: np.random.Generato
 
 
 def synthetic(n: int, input_len: LengthDist, output_len: LengthDist, tok: BenchTokenizer, seed: int,
-              prefix_groups: int = 0, prefix_len: int = 0, part: int = 0) -> Workload:
+              prefix_groups: int = 0, prefix_len: int = 0, part: int = 0, text_seed: int | None = None) -> Workload:
     """`part` draws a fresh set of prompts for the same seed (each load point of a sweep gets its own, so one
-    point cannot warm the prefix cache for the next)."""
+    point cannot warm the prefix cache for the next). `text_seed` draws the words apart from the lengths (and the
+    prefix groups): the same seed then gives the same lengths with words no run of another text seed has put in
+    the server's prefix cache, so two runs can differ in one variable (the rate, say) on the same draw."""
     if tok is None:
         raise WorkloadError("synthetic prompts need a tokenizer: drop --tokenizer none, or use --dataset")
     rng = rng_for(seed, STREAM_WORKLOAD, part)
     ins = input_len.sample(n, rng).tolist()
     outs = output_len.sample(n, rng).tolist()
+    words = rng if text_seed is None else rng_for(text_seed, STREAM_TEXT, part)
     groups: list[int | None] = [None] * n
     prefixes = None
     if prefix_groups:
@@ -149,10 +152,10 @@ def synthetic(n: int, input_len: LengthDist, output_len: LengthDist, tok: BenchT
             raise WorkloadError("--prefix-groups needs --prefix-len P (tokens shared within a group)")
         if min(ins) <= prefix_len:
             raise WorkloadError(f"--input-len must exceed --prefix-len {prefix_len} so each prompt has its own suffix")
-        shared, _ = exact_texts(tok, [prefix_len] * prefix_groups, rng)
+        shared, _ = exact_texts(tok, [prefix_len] * prefix_groups, words)
         groups = rng.integers(0, prefix_groups, n).tolist()
         prefixes = [shared[g] for g in groups]
-    texts, counts = exact_texts(tok, ins, rng, prefixes)
+    texts, counts = exact_texts(tok, ins, words, prefixes)
     spec = {"kind": "synthetic", "num_prompts": n, "input_len": input_len.describe(),
             "output_len": output_len.describe(), "tokenizer": tok.name}
     if prefix_groups:
