@@ -216,27 +216,78 @@ def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
     assert prompts[0] != prompts[1]  # different draws
 
 
-def test_validate_searches_the_max_rate_on_a_large_draw(setup, tmp_path):
-    """The SLO-max rate that validate brackets is the search's answer on --search-requests simulated requests a
-    point, not on the few each measured point has (one small draw's p99 moves the answer); the bracket's two rates
-    are measured (and simulated) with --bracket-requests each, the other rates with --requests."""
+def test_validate_brackets_the_slo_max_rate_of_the_draw_it_sends(setup, tmp_path):
+    """validate simulates the SLO-max rate of one draw of --bracket-requests requests (the seed after the rates'),
+    then benches that draw at both bracket rates: the same prompt lengths and arrival gaps, scaled by the rate, in
+    other words (text seeds 1 and 2), so the second point finds nothing of the first in the prefix cache. The load's
+    SLO-max, searched on --search-requests, is reported beside it. Against `inferlab fake-server`."""
+    from inferlab.bench.records import read_records
+
     card, profile, _ = setup
     _serve_with_fake_server(card)
     out = tmp_path / "val.json"
     assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "4", "--requests", "6",
-                 "--search-requests", "300", "--max-rate-within", "0.15", "--bracket-requests", "9",
+                 "--search-requests", "300", "--max-rate-within", "0.15", "--bracket-requests", "30",
                  "--output-dir", str(tmp_path / "runs"), "--json", str(out)]) == 0
     got = json.loads(out.read_text())["max_rate"]
     c, cost = load_card(card), StepCost.load(profile)
-    sc = capacity.Scenario(c, cost, capacity.card_shape(c, cost), requests=300)
-    small = capacity.max_rate(replace(sc, requests=6)).rate
-    assert got["predicted"] == pytest.approx(capacity.max_rate(sc).rate)
-    assert got["predicted"] != pytest.approx(small)  # the sample size matters here, so the check above can fail
+    sc = capacity.Scenario(c, cost, capacity.card_shape(c, cost))
+    draw = replace(c, traffic=replace(c.traffic, seed=c.traffic.seed + 1))
+    assert got["draw"] == {"seed": c.traffic.seed + 1, "requests": 30}
+    assert got["predicted"] == pytest.approx(capacity.max_rate(replace(sc, card=draw, requests=30)).rate)
+    assert got["load_predicted"] == pytest.approx(capacity.max_rate(replace(sc, requests=300)).rate)
+    assert got["predicted"] != pytest.approx(got["load_predicted"], rel=0.05)  # so the checks above can fail
     points = json.loads(out.read_text())["points"]
     assert [p["rate"] for p in points] == [4, round(got["lower"], 4), round(got["upper"], 4)]
-    for p, n in zip(points, (6, 9, 9)):
-        assert json.loads(open(p["results"]).read())["runs"][0]["counts"]["measured"] == n
-        assert p["simulated_requests"] == n  # predicted on the draw bench sent
+    assert [(p["seed"], p["text_seed"]) for p in points] == [(3, None), (4, 1), (4, 2)]
+    assert [p["meets_predicted"] for p in points[1:]] == [True, False]  # the draw's own SLO-max lies between
+    records = []
+    for p, n in zip(points, (6, 30, 30)):
+        results = json.loads(open(p["results"]).read())
+        assert results["runs"][0]["counts"]["measured"] == n and p["simulated_requests"] == n
+        assert results["provenance"]["text_seed"] == p["text_seed"]
+        records.append(sorted(read_records(Path(p["results"]).parent / "records.jsonl"), key=lambda r: r.index))
+    lo, hi = records[1:]
+    assert [r.input_len for r in lo] == [r.input_len for r in hi]
+    assert [r.scheduled * points[1]["rate"] for r in lo] == pytest.approx([r.scheduled * points[2]["rate"]
+                                                                          for r in hi], abs=1e-6)
+    assert hi[0].prompt_tokens == lo[0].prompt_tokens and records[0][0].input_len != lo[0].input_len
+
+
+def test_a_server_that_runs_as_simulated_passes_the_bracket_on_every_draw(setup, tmp_path, monkeypatch):
+    """A server whose every request runs as the simulator says (here, the simulator itself) meets the card below its
+    draw's SLO-max and misses it above, whatever the draw: the bracket fails only where the model (or the host)
+    does. Around the load's SLO-max instead, with each rate a fresh draw as before, some draws of 40 requests
+    put this same perfect server on the wrong side."""
+    from inferlab.lab import simulate_cli
+
+    card, profile, _ = setup
+    _serve_with_fake_server(card)  # no step trace to read: bench is replaced below
+    c, cost = load_card(card), StepCost.load(profile)
+    real_simulate = capacity.simulate
+
+    def perfect_server(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None):
+        return [(lp.rate, k, {**real_simulate(capacity.Scenario(k, cost, capacity.card_shape(c, cost),
+                                                                requests=lp.requests, arrival=arrival),
+                                              rate=lp.rate), "path": None, "window": (0.0, 1.0)})
+                for lp in loads for k in [replace(card_, traffic=replace(card_.traffic, seed=lp.seed))]]
+
+    monkeypatch.setattr(simulate_cli, "bench_rates", perfect_server)
+    wrong_side_of_the_load = 0
+    for seed in range(3, 9):
+        card.write_text(card.read_text().replace(f"seed: {seed - 1}", f"seed: {seed}") if seed > 3 else
+                        card.read_text())
+        out = tmp_path / f"val-{seed}.json"
+        assert main(["simulate", "validate", str(card), "--profile", str(profile), "--max-rate-within", "0.15",
+                     "--bracket-requests", "40", "--search-requests", "400", "--json", str(out)]) == 0
+        got = json.loads(out.read_text())["max_rate"]
+        assert got["draw"]["seed"] == seed and got["within"], got["verdict"]
+        sc = capacity.Scenario(load_card(card), cost, capacity.card_shape(c, cost), requests=40)
+        fresh = [replace(sc.card, traffic=replace(sc.card.traffic, seed=seed + 50 + k)) for k in (0, 1)]
+        meets = [capacity.meets(sc.card, real_simulate(replace(sc, card=f), rate=got["load_predicted"] * x))
+                 for f, x in zip(fresh, (0.85, 1.15))]
+        wrong_side_of_the_load += meets != [True, False]
+    assert wrong_side_of_the_load > 0
 
 
 def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, monkeypatch):
@@ -254,10 +305,10 @@ def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, m
                              requests=20)
     real_simulate = capacity.simulate
 
-    def fake_bench_rates(card_, loads, out_dir, seed_base, base_url=None, server_config=None,
-                         arrival=None, burstiness=None):
+    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None):
         rows, points, t = [], [], 0.0
-        for i, (rate, _) in enumerate(loads):
+        for lp in loads:
+            rate = lp.rate
             t0 = t
             for k in range(60):  # decode steps of 1-2 sequences and a prefill every tenth step
                 chunks = [[0, 100, True]] if k % 10 == 0 else []
@@ -313,11 +364,11 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
                                                      if c != "request_overhead"}})
     base = capacity.Scenario(load_card(card), truth, capacity.card_shape(load_card(card), cost), requests=20)
 
-    def fake_bench_rates(card_, loads, out_dir, seed_base, base_url=None, server_config=None,
-                         arrival=None, burstiness=None):
+    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None):
         assert base_url is None and server_config["step_trace"]  # the trace is on without --leave-one-out
         rows, points, t = [], [], 0.0
-        for rate, _ in loads:
+        for lp in loads:
+            rate = lp.rate
             t0 = t
             for k in range(40):
                 row = {"t": t, "busy": True, "p": [[0, 64, True]] if k % 2 == 0 else [], "d": 1 + k % 3,
