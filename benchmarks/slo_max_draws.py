@@ -7,7 +7,9 @@ For each rate, simulates `--draws` draws of the card's traffic (seeds 10000, 100
 arrivals and prompt lengths) of `--requests` each and prints how many meet the card and the spread of their TTFT
 p99. Then runs the SLO-max search (`capacity.max_rate`, what `simulate predict` and `validate --max-rate-within`
 use) at each `--search` size. A p99 objective near its limit is met by some draws and missed by others; this is
-what sized `validate --search-requests` (docs/benchmarks.md, issue 20).
+what sized `validate --search-requests` (docs/benchmarks.md, issue 20). With `--draw-max`, also searches the SLO-max
+rate of each of that many draws of `--requests` (what `validate --max-rate-within` checks against the server, on
+the draw it sends) and prints their spread around the load's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--draws", type=int, default=20)
     ap.add_argument("--search", default="400,1000,2000,4000", help="draw sizes for the SLO-max search")
+    ap.add_argument("--draw-max", type=int, default=0, metavar="N",
+                    help="the SLO-max rate of each of N draws of --requests (seeds 10000, ...)")
     args = ap.parse_args()
     card = load_card(args.card)
     cost = StepCost.load(args.profile)
@@ -51,6 +55,15 @@ def main() -> None:
         rate = "none" if m.rate is None else f"{m.rate:.3f} req/s"
         print(f"SLO-max search at {n} requests a point: {rate} (saturation {m.saturation:.2f} req/s), "
               f"{time.perf_counter() - t:.0f} s", flush=True)
+    rates = []
+    for i in range(args.draw_max):
+        c = replace(card, traffic=replace(card.traffic, seed=10000 + i))
+        rates.append(capacity.max_rate(Scenario(c, cost, shape, requests=args.requests)).rate or 0.0)
+    if rates:
+        rates.sort()
+        q = lambda f: rates[min(len(rates) - 1, int(f * len(rates)))]  # noqa: E731
+        print(f"SLO-max rate of each of {len(rates)} draws of {args.requests} requests: min {rates[0]:.3f}, p10 "
+              f"{q(0.1):.3f}, p50 {q(0.5):.3f}, p90 {q(0.9):.3f}, max {rates[-1]:.3f} req/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,25 @@ def test_the_max_rate_check_brackets_the_prediction():
     assert "undetermined" in max_rate_verdict(bracket, 0.15, points(True, None))["verdict"]
 
 
+def test_the_nearest_objective_is_the_one_closest_to_or_furthest_past_its_limit(setup):
+    from inferlab.lab.simulate_cli import nearest_objective
+
+    card = load_card(setup[0])  # ttft p99 <= 400 ms, tpot p99 <= 60 ms, goodput >= 0.9 of requests
+
+    def summary(ttft, tpot, share):
+        lat = {m: {"p50": 0.01, "p90": 0.01, "p99": 0.01} for m in ("ttft", "itl", "tpot", "e2e")}
+        lat["ttft"]["p99"], lat["tpot"]["p99"] = ttft, tpot
+        return {"latency": lat, "throughput": {"requests_per_s": 1.0, "output_tokens_per_s": 10.0},
+                "goodput": {"share": share, "requests_per_s": share}, "counts": {"errors": 0, "measured": 10}}
+
+    near = nearest_objective(card, summary(0.38, 0.030, 1.0), summary(0.42, 0.030, 1.0))
+    assert near["objective"].startswith("ttft p99") and near["predicted"] == pytest.approx(-0.05)
+    assert near["measured"] == pytest.approx(0.05)
+    near = nearest_objective(card, summary(0.2, 0.030, 0.72), summary(0.2, 0.030, 0.9))
+    assert near["objective"].startswith("goodput") and near["predicted"] == pytest.approx(0.2)
+    assert near["measured"] == pytest.approx(0.0)
+
+
 def test_bad_input_is_named(setup, capsys):
     card, profile, tmp = setup
     assert main(["simulate", "predict", str(card), "--profile", str(tmp / "nope.json")]) == 2
@@ -241,6 +260,9 @@ def test_validate_brackets_the_slo_max_rate_of_the_draw_it_sends(setup, tmp_path
     assert [p["rate"] for p in points] == [4, round(got["lower"], 4), round(got["upper"], 4)]
     assert [(p["seed"], p["text_seed"]) for p in points] == [(3, None), (4, 1), (4, 2)]
     assert [p["meets_predicted"] for p in points[1:]] == [True, False]  # the draw's own SLO-max lies between
+    # what the bracket asked of the model: the objective the simulation put nearest its limit, inside it at the
+    # lower rate and past it at the upper
+    assert points[1]["nearest_objective"]["predicted"] <= 0 < points[2]["nearest_objective"]["predicted"]
     records = []
     for p, n in zip(points, (6, 30, 30)):
         results = json.loads(open(p["results"]).read())

@@ -486,7 +486,8 @@ def _validate(args) -> int:
                      simulated_requests=predicted["counts"]["measured"], seed=lp.seed, text_seed=lp.text_seed,
                      results=measured.get("path"),
                      meets_measured=capacity.meets(sc.card, measured),
-                     meets_predicted=capacity.meets(sc.card, predicted))
+                     meets_predicted=capacity.meets(sc.card, predicted),
+                     nearest_objective=nearest_objective(sc.card, predicted, measured))
         if steps is not None:
             point["steps_vs_profile"] = r = step_time_ratio(cost, steps, windows=[measured["window"]])
             host = at_host_speed(cost, r)
@@ -506,6 +507,11 @@ def _validate(args) -> int:
         load = "none" if load_max.rate is None else f"{load_max.rate:.3g} req/s"
         print(f"the load's SLO-max rate (searched on {args.search_requests:,} simulated requests a point): {load}")
         print(out["max_rate"]["verdict"])
+        for p in out["points"][-2:]:
+            if near := p["nearest_objective"]:
+                print(f"    at {p['rate']:g} req/s the objective nearest its limit in the simulation: "
+                      f"{near['objective']}, predicted {_margin_words(near['predicted'])}, measured "
+                      f"{_margin_words(near['measured'])}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1), encoding="utf-8")
     return 0
@@ -620,6 +626,32 @@ def print_step_drift(points: list[dict]) -> None:
             yes = {True: "yes", False: "no"}
             print(f"    at that speed the simulation gives {errors}; meets the card: "
                   f"{yes[again['meets_predicted']]} (measured: {yes[p['meets_measured']]})")
+
+
+def _margin(check) -> float | None:
+    """How far past its limit a check's value lies, as a fraction of the limit (negative: inside it)."""
+    v, limit = check.measured, check.limit
+    if v is None or not limit > 0:
+        return None
+    return 1 - v / limit if check.kind in ("goodput", "throughput") else v / limit - 1  # at least / at most
+
+
+def nearest_objective(card, predicted: dict, measured: dict) -> dict | None:
+    """The card's objective the simulation puts nearest its limit (or furthest past it), with how far inside or
+    past it the prediction and the measurement lie. At a bracket rate this says how accurate the model had to be:
+    the long card's TTFT p50 rises 7% from 0.85x to 1.15x its SLO-max, so a bracket there asks for ~2%."""
+    from inferlab.lab.capacity import checks
+
+    pred = [(m, c) for c in checks(card, predicted) if (m := _margin(c)) is not None]
+    if not pred:
+        return None
+    m, c = max(pred, key=lambda mc: mc[0])
+    meas = next((_margin(x) for x in checks(card, measured) if x.objective == c.objective), None)
+    return {"objective": c.objective, "predicted": m, "measured": meas}
+
+
+def _margin_words(m: float | None) -> str:
+    return "–" if m is None else f"{abs(m):.1%} {'over' if m > 0 else 'under'} it"
 
 
 def max_rate_verdict(bracket: tuple[float, float, float], within: float, points: list[dict]) -> dict:
