@@ -211,15 +211,45 @@ def _calibrate_served(args, command: str):
 
 def fit_request_overhead(cost, card, rate: float, requests: int, measured: dict) -> None:
     """The request overhead (HTTP, tokenization, the first write: outside the steps) from one calibration run of
-    `card` (as run: its seed) at `rate`, `requests` requests: measured TTFT p50 minus the simulated one without it.
-    From the lowest rate only: under a queue, TTFT amplifies every error of the step model (seen: +7 ms at 1 req/s,
-    +173 ms at 3 req/s where four slots queue)."""
-    from inferlab.lab import capacity
-    from inferlab.lab.calibrate import shape_from
-    from inferlab.lab.capacity import Scenario
+    `card` (as run: its seed) at `rate`, `requests` requests. The simulation without it is bench's draw request by
+    request, so each measured request's TTFT pairs with its simulated one; the overhead is the median of the
+    differences. The difference of the two TTFT p50s, used before (and still when the run's records are not at
+    hand), mixes requests that queued differently: three calibrations of one server within an hour gave 0.6, 6.7
+    and 19.8 ms, and the paired median 2.3, 2.5 and 4.1 (docs/benchmarks.md). From the lowest rate only: under a
+    queue, TTFT amplifies every error of the step model (seen: +7 ms at 1 req/s, +173 ms at 3 req/s)."""
+    from statistics import median
 
-    predicted = capacity.simulate(Scenario(card, cost, shape_from(cost.engine), requests=requests), rate=rate)
-    m, p = measured["latency"]["ttft"].get("p50"), predicted["latency"]["ttft"].get("p50")
+    from inferlab.bench import metrics
+    from inferlab.bench.records import read_records
+    from inferlab.lab.calibrate import shape_from
+    from inferlab.lab.sim_summary import request_latencies, summarize
+    from inferlab.lab.sim_workload import card_requests
+    from inferlab.lab.simulator import Simulation, Topology
+    from inferlab.lab.step_cost import StepCost
+
+    without = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.0})
+    arrival = card.traffic.arrival if not card.traffic.closed_loop else "poisson"
+    reqs = card_requests(card.traffic, requests, rate=rate, arrival=arrival)
+    run = Simulation(without, shape_from(cost.engine), Topology()).run(reqs)
+    simulated = {o.request_id: o for o in run.outcomes if not o.warmup}
+    records = Path(measured["path"]).with_name("records.jsonl") if measured.get("path") else None
+    diffs = []
+    for r in read_records(records) if records is not None and records.is_file() else ():
+        o = simulated.get(f"r{r.index}")
+        t = metrics.ttft(r)
+        if r.warmup or o is None or t is None or request_latencies(o)["ttft"] is None:
+            continue
+        if r.input_len is not None and r.input_len != o.prompt_len:  # not the draw simulated: pair nothing
+            diffs = []
+            break
+        diffs.append(t - request_latencies(o)["ttft"])
+    if diffs:
+        cost.request_overhead = max(0.0, median(diffs))
+        cost.notes.append(f"request_overhead: median over {len(diffs)} requests of measured - simulated TTFT at "
+                          f"{rate:g} req/s ({cost.request_overhead * 1e3:.1f} ms)")
+        return
+    m = measured["latency"]["ttft"].get("p50")
+    p = summarize(run, load={"kind": "rate", "value": rate}, slos={})["latency"]["ttft"].get("p50")
     if m is not None and p is not None:
         cost.request_overhead = max(0.0, m - p)
         cost.notes.append(f"request_overhead: measured - simulated TTFT p50 at {rate:g} req/s "
