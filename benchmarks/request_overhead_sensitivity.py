@@ -47,7 +47,7 @@ def main() -> None:
         ap.error("give --seed and --rates (or --refit)")
     card = load_card(args.card)
     draw = replace(card, traffic=replace(card.traffic, seed=args.seed))
-    arrival = card.traffic.arrival if not card.traffic.closed_loop else "poisson"  # as validate runs it
+    arrival = card.traffic.open_loop_arrival  # as validate runs it
     profile = StepCost.load(args.profile)
     print(f"the profile's own request overhead: {profile.request_overhead * 1e3:.1f} ms")
     for ms in (float(x) for x in args.overheads.split(",")):

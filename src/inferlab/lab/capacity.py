@@ -62,7 +62,7 @@ def simulate(sc: Scenario, rate: float | None = None, users: int | None = None, 
         reqs = card_requests(card.traffic, max(sc.requests, 4 * users), rate=math.inf)
         load = {"kind": "concurrency", "value": users, "label": f"concurrency {users}"}
     else:
-        arrival = sc.arrival or (card.traffic.arrival if not card.traffic.closed_loop else "poisson")
+        arrival = sc.arrival or card.traffic.open_loop_arrival
         reqs = card_requests(card.traffic, sc.requests, rate=rate, arrival=arrival, burstiness=sc.burstiness)
         label = f"{arrival} {rate:g} req/s"
         load = {"kind": "rate", "value": rate, "arrival": arrival, "label": label}

@@ -106,6 +106,11 @@ class Traffic:
         return self.arrival == "closed"
 
     @property
+    def open_loop_arrival(self) -> str:
+        """The arrival process when the load runs at a rate: the card's, or Poisson for a closed-loop card."""
+        return "poisson" if self.closed_loop else self.arrival
+
+    @property
     def prefix_len(self) -> int:
         """Tokens of the shared prefix: the share of the expected prompt length."""
         return round(self.prefix_share * self.input_len.expected)

@@ -39,7 +39,7 @@ def card_requests(traffic: Traffic, n: int, *, rate: float | None = None, arriva
     ins = length_dist(traffic.input_len).sample(total, rng).tolist()
     outs = length_dist(traffic.output_len).sample(total, rng).tolist()
     rate = traffic.rate if rate is None else rate
-    kind = arrival or (traffic.arrival if not traffic.closed_loop else "poisson")
+    kind = arrival or traffic.open_loop_arrival
     if rate is not None and not math.isinf(rate):
         times = schedule(rate, kind, traffic.burstiness if burstiness is None else burstiness, n=total,
                          rng=rng_for(seed, STREAM_ARRIVALS, run, 0)).tolist()

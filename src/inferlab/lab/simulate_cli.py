@@ -228,21 +228,20 @@ def fit_request_overhead(cost, card, rate: float, requests: int, measured: dict)
     from inferlab.lab.step_cost import StepCost
 
     without = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.0})
-    arrival = card.traffic.arrival if not card.traffic.closed_loop else "poisson"
-    reqs = card_requests(card.traffic, requests, rate=rate, arrival=arrival)
+    reqs = card_requests(card.traffic, requests, rate=rate)
     run = Simulation(without, shape_from(cost.engine), Topology()).run(reqs)
-    simulated = {o.request_id: o for o in run.outcomes if not o.warmup}
+    simulated = {o.request_id: (o.prompt_len, request_latencies(o)["ttft"]) for o in run.outcomes if not o.warmup}
     records = Path(measured["path"]).with_name("records.jsonl") if measured.get("path") else None
     diffs = []
     for r in read_records(records) if records is not None and records.is_file() else ():
-        o = simulated.get(f"r{r.index}")
+        prompt_len, simulated_ttft = simulated.get(f"r{r.index}", (None, None))
         t = metrics.ttft(r)
-        if r.warmup or o is None or t is None or request_latencies(o)["ttft"] is None:
+        if r.warmup or t is None or simulated_ttft is None:
             continue
-        if r.input_len is not None and r.input_len != o.prompt_len:  # not the draw simulated: pair nothing
+        if r.input_len is not None and r.input_len != prompt_len:  # not the draw simulated: pair nothing
             diffs = []
             break
-        diffs.append(t - request_latencies(o)["ttft"])
+        diffs.append(t - simulated_ttft)
     if diffs:
         cost.request_overhead = max(0.0, median(diffs))
         cost.notes.append(f"request_overhead: median over {len(diffs)} requests of measured - simulated TTFT at "
@@ -458,7 +457,7 @@ def _validate(args) -> int:
 
     sc = _scenario(args)
     rates = _rates(args.rates) or []
-    arrival = args.arrival or (sc.card.traffic.arrival if not sc.card.traffic.closed_loop else "poisson")
+    arrival = args.arrival or sc.card.traffic.open_loop_arrival
     bracket = None
     if args.max_rate_within is not None:
         if not 0 < args.max_rate_within < 1:
@@ -576,7 +575,7 @@ def bench_rates(card, loads: list[LoadPoint], out_dir: Path, base_url: str | Non
         print(f"starting the card's server ({card.server.kind}) ...", file=sys.stderr)
         srv = start_server(card.server, config=server_config, log_path=out_dir / "server.log")
         base_url = srv.base_url
-    arrival = arrival or (card.traffic.arrival if not card.traffic.closed_loop else "poisson")
+    arrival = arrival or card.traffic.open_loop_arrival
     points = []
     try:
         for lp in loads:
@@ -669,7 +668,7 @@ def _margin(check) -> float | None:
 def nearest_objective(card, predicted: dict, measured: dict) -> dict | None:
     """The card's objective the simulation puts nearest its limit (or furthest past it), with how far inside or
     past it the prediction and the measurement lie. At a bracket rate this says how accurate the model had to be:
-    the long card's TTFT p50 rises 7% from 0.85x to 1.15x its SLO-max, so a bracket there asks for ~2%."""
+    the long card's TTFT p50 rises 7% from 0.85x to 1.15x its SLO-max, so a bracket there asks for ~1%."""
     from inferlab.lab.capacity import checks
 
     pred = [(m, c) for c in checks(card, predicted) if (m := _margin(c)) is not None]
