@@ -14,10 +14,11 @@ steps as it runs,
 
     step seconds ~ a + b * decodes + c * (keys the decodes read) / 1024 + e * prefill tokens,
 
-by least squares with exponential forgetting (a memory of ~FORGET_STEPS steps: hosts drift in speed by up to 1.5x
-within a minute, contexts grow, a CPU engine may change its thread count), and the prefill budget is the tokens whose
-predicted cost fits the slack: (ratio - 1) * predicted decode-only step / e. Until both kinds of step have been seen
-there is no bound (the first steps of a server prefill with nothing decoding, which is where `e` is learnt).
+by least squares with every term at least 0 (nonnegative_solve) and exponential forgetting (a memory of ~FORGET_STEPS
+steps: hosts drift in speed by up to 1.5x within a minute, contexts grow, a CPU engine may change its thread count),
+and the prefill budget is the tokens whose predicted cost fits the slack: (ratio - 1) * predicted decode-only step / e.
+Until both kinds of step have been seen there is no bound (the first steps of a server prefill with nothing decoding,
+which is where `e` is learnt).
 
 The slack alone starves prompts when they come faster than it prefills them: 8 streams of 1,000-token prompts at
 ratio 2 waited 7.9 s for their first token instead of 1.2 s, at 23% less throughput, and their decodes stalled no
@@ -37,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 FORGET_STEPS = 200  # the fit's memory: each step's weight decays by 1 - 1/FORGET_STEPS per later step
-MIN_SEEN = 4.0  # (decayed) steps of each kind, decode-only and with prefill, before the fit bounds anything
+MIN_SEEN = 4  # steps of each kind, decode-only and with prefill, before the fit bounds anything
 DRAIN_STEPS = 32  # steps in which the budget prefills at least the whole queue of prompt tokens
 OUTLIER = 3.0  # a step this many times slower than predicted counts as this many (a preempted thread, a GC pause)
 RIDGE = 1e-9  # keeps the normal equations solvable while one feature has not varied yet
@@ -54,7 +55,10 @@ class PrefillBudget:
         self._keep = 1.0 - 1.0 / FORGET_STEPS
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
-        self._seen = np.zeros(2)  # decayed counts: decode-only steps, steps with prefill
+        # Steps seen of each kind, decode-only and with prefill, not forgotten: they gate the first fit only. A
+        # saturated server runs almost nothing but steps with prefill; counted with decay, its decode-only steps fell
+        # below MIN_SEEN and took the bound away just when the queue was longest (500-token chunks beside 8 decodes).
+        self._seen = np.zeros(2)
         self._coef: np.ndarray | None = None
 
     @staticmethod
@@ -70,17 +74,16 @@ class PrefillBudget:
             seconds = min(seconds, OUTLIER * predicted)
         self._xtx *= self._keep
         self._xty *= self._keep
-        self._seen *= self._keep
         self._xtx += np.outer(x, x)
         self._xty += x * seconds
         self._seen[1 if prefill else 0] += 1.0
         self._coef = None
 
     def coefficients(self) -> np.ndarray | None:
-        """(a, b, c, e) in seconds, or None before both kinds of step have been seen."""
+        """(a, b, c, e) in seconds, each at least 0, or None before both kinds of step have been seen."""
         if self._coef is None and self._seen.min() >= MIN_SEEN:
             reg = RIDGE * max(1.0, np.trace(self._xtx)) * np.eye(4)
-            self._coef = np.linalg.solve(self._xtx + reg, self._xty)
+            self._coef = nonnegative_solve(self._xtx + reg, self._xty)
         return self._coef
 
     def predict(self, decodes: int, attended: int, prefill: int) -> float | None:
@@ -99,3 +102,43 @@ class PrefillBudget:
             return None
         slack = int((self.ratio - 1.0) * decode_only / per_token)
         return max(self.min_tokens, slack, -(-backlog // DRAIN_STEPS))
+
+
+def nonnegative_solve(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """The least-squares coefficients from normal equations (gram x = rhs), constrained to x >= 0 (Lawson and
+    Hanson's active set, on the normal equations).
+
+    Every term of a step's time costs time, but the decoding batch and the keys it reads grow together (each decode
+    brings its context), and a step with prefill pays the general path's fixed cost, which no term here carries.
+    So a plain fit may trade one term for another: the budget fed the steps served before the 1 req/s point of
+    examples/card-cpu-long.yaml fitted -7.5 ms a decode against +3.3 ms per 1,024 keys. Within the steps seen that
+    predicts well; for four decodes of short contexts it predicts a decode-only step of no time, which leaves the
+    step without a bound (in the simulation of that point: 500-token chunks beside three to seven decodes, ~600 ms
+    steps). Usually the plain solve is already nonnegative and is all this costs."""
+    x = np.linalg.solve(gram, rhs)
+    if (x >= 0).all():
+        return x
+    n = len(rhs)
+    tol = 1e-12 * max(1.0, float(np.abs(rhs).max()))
+    free = np.zeros(n, dtype=bool)  # coefficients off their bound of 0
+    x = np.zeros(n)
+    for _ in range(3 * n):
+        gradient = rhs - gram @ x
+        gradient[free] = -np.inf
+        j = int(np.argmax(gradient))
+        if gradient[j] <= tol:
+            break
+        free[j] = True
+        for _ in range(n):  # at most n coefficients can leave the free set
+            z = np.zeros(n)
+            z[free] = np.linalg.solve(gram[np.ix_(free, free)], rhs[free])
+            if (z[free] > 0).all():
+                x = z
+                break
+            # step from x toward z as far as feasibility allows; the coefficient that hits 0 leaves the free set
+            hit = free & (z <= 0)
+            alpha = float(np.min(x[hit] / (x[hit] - z[hit])))
+            x = x + alpha * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x
