@@ -149,6 +149,27 @@ def test_reproduces_the_real_schedulers_step_sequence_exactly():
     assert run.num_preemptions > 0 and run.prefix_hit_share > 0  # the features under test were exercised
 
 
+def test_a_simulated_engine_starts_with_its_prefill_budget_fitted(monkeypatch):
+    """A simulated engine runs as a server in service, its prefill budget already fitted: a prompt that arrives
+    while a stream decodes is prefilled in chunks that keep each step within the stall ratio. A fresh budget (a
+    server's first steps) would bound nothing and take the prompt whole beside the decode."""
+    import inferlab.lab.simulator as simulator
+
+    # Linear in what the budget sees, so its fit is exact: a step beside one decode takes 11 ms, so the ratio 1.5
+    # leaves 5.5 ms, 11 tokens; the floor is 16 tokens (the budget's min_tokens; 400 waiting / DRAIN_STEPS is 13).
+    cost = StepCost(intercept=0.010, per_prefill_token=0.0005, per_decode_seq=0.001)
+    shape = EngineShape(max_num_seqs=4, max_num_batched_tokens=512, decode_stall_ratio=1.5, max_queue=None)
+    reqs = [SimRequest("a", 0.0, list(range(1000, 1020)), 60), SimRequest("b", 0.1, list(range(2000, 2400)), 2)]
+
+    def chunks_beside_decodes():
+        run = Simulation(cost, shape, record_steps=True).run(reqs)
+        return [n for s in run.steps for n in s.num_new_tokens if n > 1 and 1 in s.num_new_tokens]
+
+    assert chunks_beside_decodes() == [16] * 25
+    monkeypatch.setattr(simulator, "prime_budget", lambda *a: None)
+    assert chunks_beside_decodes() == [400]
+
+
 def test_admission_limit_is_the_servers():
     """A burst of 10 at once to max_num_seqs 2, max_queue 3: the running slots and 3 waiting are taken, the rest
     refused at once (the server's 429), as AsyncEngine.num_waiting counts."""
