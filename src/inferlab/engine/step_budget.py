@@ -114,7 +114,7 @@ def nonnegative_solve(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     examples/card-cpu-long.yaml fitted -7.5 ms a decode against +3.3 ms per 1,024 keys. Within the steps seen that
     predicts well; for four decodes of short contexts it predicts a decode-only step of no time, which leaves the
     step without a bound (in the simulation of that point: 500-token chunks beside three to seven decodes, ~600 ms
-    steps). Usually the plain solve is already nonnegative and is all this costs."""
+    steps). When the plain solve is nonnegative, it is all this costs."""
     x = np.linalg.solve(gram, rhs)
     if (x >= 0).all():
         return x
