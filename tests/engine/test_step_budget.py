@@ -163,9 +163,9 @@ def test_decodes_whose_keys_grow_with_them_never_lift_the_bound():
     """Every decode brings its context, so decodes and the keys they read grow together; decode-only steps come
     from a lone stream between bursts; and a step with prefill runs the general path (~10 ms more), a cost the
     budget's four terms lack. A plain fit then trades one term for another and prices a decode below zero, which
-    predicts four or eight decodes of short contexts at little or no time and left such steps without a bound
-    (served: -7.5 ms a decode on examples/card-cpu-long.yaml at 1 req/s, 500-token chunks beside decodes). The fit
-    keeps every term at least 0, so the bound holds."""
+    predicts four or eight decodes of short contexts at little or no time and left such steps without a bound (fed
+    the steps served before examples/card-cpu-long.yaml's 1 req/s point, it priced a decode at -7.5 ms; simulated,
+    that point ran 500-token chunks beside decodes). The fit keeps every term at least 0, so the bound holds."""
     rng = np.random.default_rng(0)
     budget = PrefillBudget(1.5)
     rows, times = [], []

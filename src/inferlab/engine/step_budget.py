@@ -57,7 +57,8 @@ class PrefillBudget:
         self._xty = np.zeros(4)
         # Steps seen of each kind, decode-only and with prefill, not forgotten: they gate the first fit only. A
         # saturated server runs almost nothing but steps with prefill; counted with decay, its decode-only steps fell
-        # below MIN_SEEN and took the bound away just when the queue was longest (500-token chunks beside 8 decodes).
+        # below MIN_SEEN and took the bound away just when the queue was longest (simulating examples/card-cpu-long.yaml
+        # at saturation: 500-token chunks beside seven decodes).
         self._seen = np.zeros(2)
         self._coef: np.ndarray | None = None
 
