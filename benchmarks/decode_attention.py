@@ -12,17 +12,27 @@ passes) and the pool bytes read a second.
 row i attending to keys 0..P+i, as engine/model_runner.py runs a prefill chunk, prefix-cache extend or verification)
 on each pool: in order, which the kernel reads as runs of rows sharing each key tile, against the same rows in
 reverse order, which it reads one row at a time (the outputs are the same bits; the script checks).
+
+`--against REV` times instead this tree's kernel against the kernel as it was at git revision REV (built beside it
+from `git archive`), pass by pass alternately on each pool, for every batch and for each `--contexts` length (one
+sequence length for the whole batch); it checks the two agree within bf16 rounding.
+
+    python benchmarks/decode_attention.py --against 620ed29 --batches 1 2 3 4 16 --contexts 256 768 2048
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from inferlab.kernels import cpu_kernels
+from inferlab.bench.machine import MachineSampler
+from inferlab.kernels import build_kernels, cpu_kernels
 from inferlab.layers import kv_int8
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
@@ -50,12 +60,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--passes", type=int, default=30)
     ap.add_argument("--extend", nargs="+", metavar="P+S", help="cached keys + new rows of one sequence")
+    ap.add_argument("--against", metavar="REV", help="time this tree's kernel against git revision REV's")
+    ap.add_argument("--contexts", type=int, nargs="+", help="with --against: the context lengths (default --context)")
     args = ap.parse_args()
     kernels = cpu_kernels()
     num_blocks = POOL_TOKENS // BLOCK
     layers = pools(num_blocks)
     if args.extend:
         extend(kernels, layers, num_blocks, args.extend, args.passes)
+        return
+    if args.against:
+        against(kernels, kernels_at(args.against), args.against, layers, num_blocks, args.batches,
+                args.contexts or [args.context], args.passes)
         return
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, context {args.context}, "
           f"pool {num_blocks} blocks of {BLOCK}; median of {args.passes} passes")
@@ -109,6 +125,51 @@ def extend(kernels, pools_by_dtype: dict[str, list[tuple[torch.Tensor, torch.Ten
             ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
             print(f"| {P} + {S} | {pool} | {ms['runs']:.1f} | {ms['rows']:.1f} | {ms['rows'] / ms['runs']:.2f}x |",
                   flush=True)
+
+def kernels_at(rev: str):
+    """The kernels as built from git revision `rev`'s sources."""
+    root = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=root, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    src = Path(tempfile.mkdtemp(prefix=f"inferlab-kernels-{sha}-"))
+    archive = subprocess.run(["git", "archive", sha, "src/inferlab/kernels"], cwd=root, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    return build_kernels(src / "src/inferlab/kernels", f"inferlab_cpu_kernels_{sha}")
+
+
+def against(kernels, base, rev: str, pools_by_dtype: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
+            num_blocks: int, batches: list[int], contexts: list[int], passes: int) -> None:
+    print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, pools of {num_blocks} "
+          f"blocks of {BLOCK}, scattered; median of {passes} passes; this tree against {rev}")
+    print(f"| context | batch | pool | this tree ms | {rev} ms | µs a key, this tree | {rev} / this tree |")
+    print("|---|---|---|---|---|---|---|")
+    machine = MachineSampler()
+    machine.start()
+    for context in contexts:
+        for B in batches:
+            nblk = -(-context // BLOCK)
+            tables = torch.randperm(num_blocks)[:B * nblk].view(B, nblk)
+            lens = torch.full((B,), context, dtype=torch.long)
+            q = torch.randn(B, HEADS, DIM).to(torch.bfloat16)
+            for pool, layers in pools_by_dtype.items():
+                k, v = layers[0]
+                ours, theirs = (m.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5) for m in (kernels, base))
+                assert torch.allclose(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2), (context, B, pool)
+                times = {"this": [], "base": []}
+                for i in range(passes + 2):
+                    # Each order every other pass: a small batch's keys stay in the cache for whichever runs second.
+                    for name, m in (("this", kernels), ("base", base))[::1 if i % 2 else -1]:
+                        t0 = time.perf_counter()
+                        for k, v in layers:
+                            m.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5)
+                        times[name].append(time.perf_counter() - t0)
+                ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
+                print(f"| {context} | {B} | {pool} | {ms['this']:.2f} | {ms['base']:.2f} | "
+                      f"{ms['this'] * 1e3 / (B * context):.2f} | {ms['base'] / ms['this']:.2f}x |", flush=True)
+    share = machine.stop()["foreign_cpu_share"]
+    print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ from torch import nn
 
 from inferlab.kernels import cpu_kernels, gemv_kernels
 from inferlab.layers import attention as attention_mod
+from inferlab.layers import kv_int8
 from inferlab.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
 from inferlab.layers.packed_linear import PackedLinear, pack_bf16, pack_linears, packing_available
 
@@ -153,6 +154,56 @@ def test_decode_kernel_runs_of_rows(dim, group, block_size):
         qi = q[i].double().view(kv_heads, group, dim)
         ref = ((qi @ keys.transpose(1, 2)) * dim**-0.5).softmax(-1) @ vals
         assert torch.allclose(out[i].double().view_as(ref), ref, atol=1e-2, rtol=1e-2), (i, n)
+
+
+@pytest.mark.parametrize("pool", ["bf16", "int8"])
+@pytest.mark.parametrize("dim, group, kv_heads, block_size", [(64, 3, 3, 16), (128, 4, 2, 32), (64, 2, 1, 8)])
+def test_decode_kernel_parts_fold_the_same_whatever_the_threads(pool, dim, group, kv_heads, block_size):
+    """Long rows' keys are attended in parts of ~128 keys, spread over the threads, and folded in order: each row is
+    bit-identical alone, in any batch and on 1 to 5 threads (which move the cuts between threads), and matches
+    float64 attention over the pool's values. A lone decode, several beside it, and a run of rows across a part
+    boundary (positions 120..131)."""
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernel could not be built here")
+    torch.manual_seed(dim + group + block_size)
+    blocks = 1536 // block_size
+    k, v = (torch.randn(kv_heads, blocks, block_size, dim).to(torch.bfloat16) for _ in range(2))
+    if pool == "int8":
+        slots = torch.arange(blocks * block_size)
+        pools = [torch.empty(kv_heads, blocks, block_size * kv_int8.row_bytes(dim), dtype=torch.int8) for _ in "kv"]
+        for c, x in zip(pools, (k, v)):
+            kv_int8.write(c, slots, x.view(kv_heads, -1, dim).transpose(0, 1))
+        k, v = pools
+        kd, vd = (kv_int8.dequantize(c, dim, torch.float64) for c in pools)
+    else:
+        kd, vd = k.double(), v.double()
+    nblk = -(-1500 // block_size)
+    table = torch.randperm(blocks)[:nblk]
+    lens = [1500, 129, 128, 300, 17] + list(range(120, 132))
+    tables = torch.stack([table if i >= 5 else torch.randperm(blocks)[:nblk] for i in range(len(lens))])
+    lens = torch.tensor(lens)
+    q = (2 * torch.randn(len(lens), kv_heads * group, dim)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            outs.append(kernels.paged_decode_attention(q, k, v, tables, lens, dim**-0.5))
+            for i in (0, 3, 11):
+                alone = kernels.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], dim**-0.5)
+                assert torch.equal(alone[0], outs[0][i]), (n, i)
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        keys = kd[:, tables[i, pos // block_size], pos % block_size]
+        vals = vd[:, tables[i, pos // block_size], pos % block_size]
+        qi = q[i].double().view(kv_heads, group, dim)
+        ref = ((qi @ keys.transpose(1, 2)) * dim**-0.5).softmax(-1) @ vals
+        assert torch.allclose(outs[0][i].double().view_as(ref), ref, atol=1e-2, rtol=1e-2), (i, n)
 
 
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no packed bf16 here")

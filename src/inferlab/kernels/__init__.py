@@ -16,9 +16,8 @@ import torch
 
 log = logging.getLogger("inferlab.engine")
 
-_SOURCES = [str(Path(__file__).with_name(f))
-            for f in ("bindings.cpp", "paged_decode_attention.cpp", "fused_elementwise.cpp", "rotary_kv_write.cpp",
-                      "gemv.cpp", "packed_gemm.cpp", "w8a8_gemm.cpp", "decode_layers.cpp")]
+_SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_elementwise.cpp", "rotary_kv_write.cpp", "gemv.cpp",
+            "packed_gemm.cpp", "w8a8_gemm.cpp", "decode_layers.cpp")
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (it joins torch's own libgomp, same
 # soname). -fassociative-math and friends let the compiler vectorise the fp32 dot products and sums (a fixed
 # order per build: results stay deterministic); no -ffast-math, so exp and infinities keep their IEEE meaning.
@@ -32,14 +31,20 @@ def cpu_kernels():
     if os.environ.get("INFERLAB_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="inferlab_cpu_kernels", sources=_SOURCES, extra_cflags=_CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return build_kernels(Path(__file__).parent, "inferlab_cpu_kernels")
     except Exception as e:  # a missing compiler or header shows up as one of several exception types
         log.warning("inferlab's CPU kernels could not be built (%s: %s); using the torch path",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
+
+
+def build_kernels(source_dir: Path, name: str):
+    """The module compiled from the sources in source_dir, loaded as `name` (benchmarks build an earlier revision's
+    beside this one's, to time both in one process)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=[str(source_dir / f) for f in _SOURCES], extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def kernels_for(*tensors: torch.Tensor):

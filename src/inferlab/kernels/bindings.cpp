@@ -8,6 +8,9 @@
 
 // Every kernel lets go of the GIL while it runs: the server's engine thread spends most of a step inside them, and
 // holding the GIL there stalled the event-loop thread (and then the engine waited for the GIL in turn).
+// The types are module_local: two builds of the module (this tree's and an earlier revision's, for an A/B in one
+// process: benchmarks/decode_attention.py --against) would otherwise both register them globally, and the second
+// import would fail.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV pool (CPU)", nogil);
@@ -22,12 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear,
         "x @ (q * scale).T for int8 weights in inferlab's W8A8 layout, activations rounded to int8 per 32 (CPU)",
         nogil);
-  pybind11::enum_<ProjKind>(m, "ProjKind")
+  pybind11::enum_<ProjKind>(m, "ProjKind", pybind11::module_local())
       .value("PACKED", ProjKind::PACKED)
       .value("INT8", ProjKind::INT8)
       .value("INT4", ProjKind::INT4)
       .value("W8A8", ProjKind::W8A8);
-  pybind11::class_<PlanLinear>(m, "PlanLinear")
+  pybind11::class_<PlanLinear>(m, "PlanLinear", pybind11::module_local())
       .def(pybind11::init<>())
       .def_readwrite("kind", &PlanLinear::kind)
       .def_readwrite("a", &PlanLinear::a)
@@ -37,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kernel_max_tokens", &PlanLinear::kernel_max_tokens)
       .def_readwrite("packed", &PlanLinear::packed)
       .def_readwrite("out_features", &PlanLinear::out_features);
-  pybind11::class_<PlanLayer>(m, "PlanLayer")
+  pybind11::class_<PlanLayer>(m, "PlanLayer", pybind11::module_local())
       .def(pybind11::init<>())
       .def_readwrite("input_norm", &PlanLayer::input_norm)
       .def_readwrite("post_norm", &PlanLayer::post_norm)
@@ -52,7 +55,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("post_attn_norm", &PlanLayer::post_attn_norm)
       .def_readwrite("post_ff_norm", &PlanLayer::post_ff_norm)
       .def_readwrite("local", &PlanLayer::local);
-  pybind11::class_<DecodePlan>(m, "DecodePlan")
+  pybind11::class_<DecodePlan>(m, "DecodePlan", pybind11::module_local())
       .def(pybind11::init<>())
       .def_readwrite("layers", &DecodePlan::layers)
       .def_readwrite("eps", &DecodePlan::eps)

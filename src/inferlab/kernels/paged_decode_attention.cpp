@@ -2,11 +2,11 @@
 //
 // One query row per token: a decode, or one token of a prefill chunk, prefix-cache extend or speculative proposal
 // attending to keys 0..its position (engine/model_runner.py runs those steps as rows). Work is split over (row,
-// KV head) pairs (the vectorised bf16 and int8 paths: over runs of a sequence's consecutive rows, see row_runs);
-// each reads its K/V rows in place through the block table (no gather into a contiguous copy), scores all the
-// query heads that share the KV head against each row while it is in cache, and keeps an online softmax in fp32,
-// one block of positions at a time. Every row gets the same arithmetic whatever else is in the batch, so the
-// result is batch-invariant.
+// KV head) pairs (the vectorised bf16 and int8 paths: over runs of a sequence's consecutive rows, see row_runs, and
+// each pair's keys in parts, see attend_in_parts); each reads its K/V rows in place through the block table (no
+// gather into a contiguous copy), scores all the query heads that share the KV head against each row while it is
+// in cache, and keeps an online softmax in fp32, one block of positions at a time. Every row gets the same
+// arithmetic whatever else is in the batch, so the result is batch-invariant.
 //
 // Layout (see layers/attention.py): pool [kv_heads, num_blocks, block_size, head_dim]; q [B, heads, head_dim]. An
 // int8 pool (layers/kv_int8.py) is [kv_heads, num_blocks, block_size * (head_dim + 4)]: a block's int8 rows, then
@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -62,13 +63,14 @@ inline float exp_shifted(float* s, int64_t n, float max) {
 
 constexpr int64_t kPrefetchBlocks = 4;
 
-// Blocks are scattered: while block `blk` computes, fetch the K and V blocks kPrefetchBlocks ahead (the first block
-// fetches the ones before too). Four ahead instead of one: batch 1 at 160 tokens 16.8 -> 12.0 us a layer, larger
-// batches unchanged (measured). kc, vc: the (head's) pool in bytes; block_bytes: one block of one head.
-inline void prefetch_ahead(const char* kc, const char* vc, const int64_t* table, int64_t blk, int64_t len,
-                           int64_t BS, int64_t head_base, int64_t block_bytes) {
-  for (int64_t ahead = blk == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
-    if ((blk + ahead) * BS >= len) break;
+// Blocks are scattered: while block `blk` computes, fetch the K and V blocks kPrefetchBlocks ahead (the first block,
+// `first`, fetches the ones before too), up to the key `end`. Four ahead instead of one: batch 1 at 160 tokens
+// 16.8 -> 12.0 us a layer, larger batches unchanged (measured). kc, vc: the (head's) pool in bytes; block_bytes: one
+// block of one head.
+inline void prefetch_ahead(const char* kc, const char* vc, const int64_t* table, int64_t blk, int64_t first,
+                           int64_t end, int64_t BS, int64_t head_base, int64_t block_bytes) {
+  for (int64_t ahead = blk == first ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+    if ((blk + ahead) * BS >= end) break;
     const int64_t next = (head_base + table[blk + ahead]) * block_bytes;
     for (int64_t off = 0; off < block_bytes; off += 64) {
       __builtin_prefetch(kc + next + off);
@@ -114,7 +116,7 @@ void decode(const T* q, const P* kc, const P* vc, const int64_t* tables, const i
         const int64_t n = std::min(BS, len - start);
         const int64_t base = (h * N + tables[b * max_blocks + start / BS]) * block_elems;
         prefetch_ahead(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc),
-                       tables + b * max_blocks, start / BS, len, BS, h * N, block_elems * sizeof(P));
+                       tables + b * max_blocks, start / BS, 0, len, BS, h * N, block_elems * sizeof(P));
         // The block's K and V rows, widened to fp32 once.
         widen_block(kc + base, n, D, BS, kf.data());
         widen_block(vc + base, n, D, BS, vf.data());
@@ -228,82 +230,221 @@ std::vector<RowRun> row_runs(const int64_t* tables, const int64_t* lens, int64_t
   return runs;
 }
 
-// G query heads share a KV head; D = 64 * C. Work items are (run, KV head) pairs.
+// A lone decode on SmolLM2 is three (run, KV head) pairs, which two threads took two and one: its keys cost ~1.3x
+// what two decodes' did (benchmarks/decode_attention.py). So each pair's keys are attended in parts of whole
+// blocks, ~kPartKeys keys each, spread over the threads by cost, and the parts' softmax states folded in order.
+// Where a part begins depends on the key's position alone, and every part is computed and folded the same way
+// whichever thread takes it, so a row's bits still depend on its own keys only.
+constexpr int64_t kPartKeys = 128;
+
+inline int64_t part_keys(int64_t BS) { return BS * std::max<int64_t>(1, kPartKeys / BS); }
+
+// The batch's block tables and lengths, and the pool's shape.
+struct Paged {
+  const int64_t* tables;
+  const int64_t* lens;
+  int64_t KVH, N, BS, max_blocks;
+  float scale;
+};
+
+// One (run, KV head) pair's online softmax over some of its keys: for each row and query head, the running max m,
+// sum l and unnormalised output acc. A row with none of the keys keeps m = -inf.
+template <int64_t G, int64_t D>
+struct Softmax {
+  alignas(64) float acc[kMaxRows][G][D];
+  float m[kMaxRows][G], l[kMaxRows][G];
+
+  void reset(int64_t R) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        m[r][g] = -std::numeric_limits<float>::infinity();
+        l[r][g] = 0.f;
+        for (int64_t d = 0; d < D; ++d) acc[r][g][d] = 0.f;
+      }
+  }
+
+  // This state over keys [0, k) and `next` over [k, k'): the state over [0, k'), both rescaled to the larger max as
+  // between two tiles. (Every row has a key in the first part, so m is finite here.)
+  void fold(const Softmax& next, int64_t R) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        if (next.m[r][g] == -std::numeric_limits<float>::infinity()) continue;
+        const float mx = std::max(m[r][g], next.m[r][g]);
+        const float a = expf(m[r][g] - mx), b = expf(next.m[r][g] - mx);
+        l[r][g] = l[r][g] * a + next.l[r][g] * b;
+        m[r][g] = mx;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[r][g][d] = acc[r][g][d] * a + next.acc[r][g][d] * b;
+      }
+  }
+
+  // out [rows, H, D]: the run's rows, this pair's G heads.
+  template <typename T>
+  void write(T* out, int64_t H, const RowRun& run, int64_t h) const {
+    for (int64_t r = 0; r < run.rows; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[r][g];
+        for (int64_t d = 0; d < D; ++d) store(out, ((run.first + r) * H + h * G + g) * D + d, acc[r][g][d] * inv);
+      }
+  }
+};
+
+// Attends every (run, KV head) pair's keys a part at a time (attend(run, h, k0, k1, state) sets `state` to keys
+// [k0, k1) of the pair) and writes each pair's output (write(run, h, state)). The parts are handed to the threads
+// as contiguous ranges of about equal cost; a pair whose parts two threads share keeps the first thread's fold and
+// the later parts in scratch, and is folded after the parallel loop, in part order, like any other.
+template <typename State, typename Attend, typename Write>
+void attend_in_parts(const std::vector<RowRun>& runs, int64_t KVH, const int64_t* lens, int64_t part,
+                     const Attend& attend, const Write& write) {
+  const int64_t pairs = static_cast<int64_t>(runs.size()) * KVH;
+  // Pair p's parts are units first[p] .. first[p + 1] - 1; cost[u] is unit u's cumulative cost at its midpoint.
+  std::vector<int64_t> first(pairs + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const RowRun& run = runs[p / KVH];
+    first[p + 1] = first[p] + (lens[run.first + run.rows - 1] + part - 1) / part;
+  }
+  const int64_t units = first[pairs];
+  std::vector<double> cost(units);
+  double total = 0;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const RowRun& run = runs[p / KVH];
+    const int64_t len = lens[run.first + run.rows - 1];
+    for (int64_t u = first[p]; u < first[p + 1]; ++u) {
+      // A tile is read once for the run's rows and scored for each: memory as one row, arithmetic as R.
+      const double c = static_cast<double>(std::min(part, len - (u - first[p]) * part)) * (run.rows + 1);
+      cost[u] = total + c / 2;
+      total += c;
+    }
+  }
+  const auto pair_of = [&](int64_t u) { return std::upper_bound(first.begin(), first.end(), u) - first.begin() - 1; };
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  std::vector<int64_t> bound(T + 1, units);  // thread t takes units bound[t] .. bound[t + 1] - 1
+  for (int64_t t = 0; t < T; ++t)
+    bound[t] = std::lower_bound(cost.begin(), cost.end(), total * static_cast<double>(t) / T) - cost.begin();
+  // The pairs a thread boundary cuts: their parts are kept in scratch from `slot` (part k at slot + k; at slot, the
+  // fold of the parts 0 .. folded - 1 that the pair's first thread took) and folded after the parallel loop.
+  struct Cut {
+    int64_t pair, slot, folded;
+  };
+  std::vector<Cut> cuts;
+  int64_t slots = 0;
+  for (int64_t t = 1; t < T; ++t) {
+    const int64_t u = bound[t];
+    if (u <= 0 || u >= units) continue;
+    const int64_t p = pair_of(u);
+    if (first[p] == u || (!cuts.empty() && cuts.back().pair == p)) continue;
+    cuts.push_back({p, slots, u - first[p]});
+    slots += first[p + 1] - first[p];
+  }
+  const auto slot_of = [&](int64_t p) -> int64_t {
+    for (const Cut& c : cuts)
+      if (c.pair == p) return c.slot;
+    return -1;
+  };
+  std::vector<State> scratch(slots);
+  at::parallel_for(0, T, 1, [&](int64_t t_begin, int64_t t_end) {
+    State sum, next;
+    for (int64_t t = t_begin; t < t_end; ++t)
+      for (int64_t u = bound[t]; u < bound[t + 1];) {
+        const int64_t p = pair_of(u), h = p % KVH, end = std::min(bound[t + 1], first[p + 1]), slot = slot_of(p);
+        const RowRun& run = runs[p / KVH];
+        if (u == first[p]) {
+          attend(run, h, 0, part, sum);
+          for (int64_t k = 1; k < end - first[p]; ++k) {
+            attend(run, h, k * part, (k + 1) * part, next);
+            sum.fold(next, run.rows);
+          }
+          if (slot < 0)
+            write(run, h, sum);
+          else
+            scratch[slot] = sum;
+        } else {
+          for (int64_t k = u - first[p]; k < end - first[p]; ++k)
+            attend(run, h, k * part, (k + 1) * part, scratch[slot + k]);
+        }
+        u = end;
+      }
+  });
+  for (const Cut& c : cuts) {
+    const RowRun& run = runs[c.pair / KVH];
+    State& sum = scratch[c.slot];
+    for (int64_t k = c.folded; k < first[c.pair + 1] - first[c.pair]; ++k) sum.fold(scratch[c.slot + k], run.rows);
+    write(run, c.pair % KVH, sum);
+  }
+}
+
+// Keys [k0, k1) of one (run, KV head) pair, G query heads per KV head, D = 64 * C.
+template <int64_t G, int64_t C>
+void attend_bf16(const Paged& pg, const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const RowRun& run,
+                 int64_t h, int64_t k0, int64_t k1, Softmax<G, 64 * C>& st) {
+  constexpr int64_t D = 64 * C;
+  const int64_t H = pg.KVH * G, R = run.rows, last = run.first + R - 1, BS = pg.BS;
+  alignas(64) float p[kMaxRows][G][kTile];
+  alignas(64) float vf[kTile][D];
+  float corr[kMaxRows][G];
+  st.reset(R);
+  // The run's longest row reads every key any of its rows reads. Prefetching runs on past the part, to len: the
+  // next part is usually this thread's too.
+  const int64_t len = pg.lens[last], end = std::min(len, k1);
+  const int64_t* table = pg.tables + last * pg.max_blocks;
+  for (int64_t start = k0; start < end; start += BS) {
+    const int64_t blk = start / BS;
+    prefetch_ahead(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, blk, k0 / BS, len, BS,
+                   h * pg.N, BS * D * sizeof(uint16_t));
+    const int64_t base = (h * pg.N + table[blk]) * BS * D;
+    for (int64_t t0 = 0; t0 < std::min(BS, end - start); t0 += kTile) {
+      const int64_t n = std::min({kTile, BS - t0, end - start - t0});
+      const uint16_t* kt = kc + base + t0 * D;
+      const uint16_t* vt = vc + base + t0 * D;
+      if (R > 1)  // the tile's V rows widened once for all the run's rows (exact: bf16 -> fp32)
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < 4 * C; ++c)
+            _mm512_store_ps(&vf[j][16 * c], load_bf16x16(reinterpret_cast<const at::BFloat16*>(vt + j * D + 16 * c)));
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t nr = std::min(n, pg.lens[run.first + r] - start - t0);  // this row's keys in the tile
+        if (nr <= 0) continue;  // an earlier row, done: its keys ended before this tile
+        const __mmask16 valid = first_lanes(nr);
+        const uint16_t* qr = q + (run.first + r) * H * D + h * G * D;
+        for (int64_t g = 0; g < G; ++g) {
+          __m512bh qv[2 * C];
+          for (int64_t c = 0; c < 2 * C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + g * D + 32 * c);
+          __m512 part[kTile];
+          for (int64_t j = 0; j < kTile; ++j) {
+            __m512 dp = _mm512_setzero_ps();
+            if (j < nr)
+              for (int64_t c = 0; c < 2 * C; ++c)
+                dp = _mm512_dpbf16_ps(dp, qv[c], (__m512bh)_mm512_loadu_si512(kt + j * D + 32 * c));
+            part[j] = dp;
+          }
+          const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), _mm512_set1_ps(pg.scale));
+          _mm512_store_ps(p[r][g], softmax_tile(s, valid, st.m[r][g], st.l[r][g], corr[r][g]));
+        }
+        if (R > 1) {
+          accumulate_pv<G, C>(st.acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+            for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
+          });
+        } else {
+          accumulate_pv<G, C>(st.acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+            const auto* vr = reinterpret_cast<const at::BFloat16*>(vt + j * D + 64 * c);
+            for (int64_t k = 0; k < 4; ++k) v[k] = load_bf16x16(vr + 16 * k);
+          });
+        }
+      }
+    }
+  }
+}
+
 template <int64_t G, int64_t C>
 void decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables, const int64_t* lens,
                  at::BFloat16* out, int64_t B, int64_t KVH, int64_t N, int64_t BS, int64_t max_blocks, float scale) {
-  constexpr int64_t D = 64 * C;
-  const int64_t H = KVH * G;
-  const std::vector<RowRun> runs = row_runs(tables, lens, B, max_blocks, BS);
-  at::parallel_for(0, static_cast<int64_t>(runs.size()) * KVH, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxRows][G][D];
-    alignas(64) float p[kMaxRows][G][kTile];
-    alignas(64) float vf[kTile][D];
-    for (int64_t i = begin; i < end; ++i) {
-      const RowRun run = runs[i / KVH];
-      const int64_t h = i % KVH, R = run.rows, last = run.first + R - 1;
-      float m[kMaxRows][G], l[kMaxRows][G], corr[kMaxRows][G];
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          m[r][g] = -std::numeric_limits<float>::infinity();
-          l[r][g] = 0.f;
-          for (int64_t d = 0; d < D; ++d) acc[r][g][d] = 0.f;
-        }
-      const int64_t len = lens[last];  // the run's longest row reads every key any of its rows reads
-      const int64_t* table = tables + last * max_blocks;
-      for (int64_t start = 0; start < len; start += BS) {
-        const int64_t blk = start / BS;
-        prefetch_ahead(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, blk, len, BS,
-                       h * N, BS * D * sizeof(uint16_t));
-        const int64_t base = (h * N + table[blk]) * BS * D;
-        for (int64_t t0 = 0; t0 < std::min(BS, len - start); t0 += kTile) {
-          const int64_t n = std::min({kTile, BS - t0, len - start - t0});
-          const uint16_t* kt = kc + base + t0 * D;
-          const uint16_t* vt = vc + base + t0 * D;
-          if (R > 1)  // the tile's V rows widened once for all the run's rows (exact: bf16 -> fp32)
-            for (int64_t j = 0; j < n; ++j)
-              for (int64_t c = 0; c < 4 * C; ++c)
-                _mm512_store_ps(&vf[j][16 * c],
-                                load_bf16x16(reinterpret_cast<const at::BFloat16*>(vt + j * D + 16 * c)));
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t nr = std::min(n, lens[run.first + r] - start - t0);  // this row's keys in the tile
-            if (nr <= 0) continue;  // an earlier row, done: its keys ended before this tile
-            const __mmask16 valid = first_lanes(nr);
-            const uint16_t* qr = q + (run.first + r) * H * D + h * G * D;
-            for (int64_t g = 0; g < G; ++g) {
-              __m512bh qv[2 * C];
-              for (int64_t c = 0; c < 2 * C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + g * D + 32 * c);
-              __m512 part[kTile];
-              for (int64_t j = 0; j < kTile; ++j) {
-                __m512 dp = _mm512_setzero_ps();
-                if (j < nr)
-                  for (int64_t c = 0; c < 2 * C; ++c)
-                    dp = _mm512_dpbf16_ps(dp, qv[c], (__m512bh)_mm512_loadu_si512(kt + j * D + 32 * c));
-                part[j] = dp;
-              }
-              const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), _mm512_set1_ps(scale));
-              _mm512_store_ps(p[r][g], softmax_tile(s, valid, m[r][g], l[r][g], corr[r][g]));
-            }
-            if (R > 1) {
-              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
-                for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
-              });
-            } else {
-              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
-                const auto* vr = reinterpret_cast<const at::BFloat16*>(vt + j * D + 64 * c);
-                for (int64_t k = 0; k < 4; ++k) v[k] = load_bf16x16(vr + 16 * k);
-              });
-            }
-          }
-        }
-      }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          const float inv = 1.f / l[r][g];
-          for (int64_t d = 0; d < D; ++d) store(out, ((run.first + r) * H + h * G + g) * D + d, acc[r][g][d] * inv);
-        }
-    }
-  });
+  using State = Softmax<G, 64 * C>;
+  const Paged pg{tables, lens, KVH, N, BS, max_blocks, scale};
+  attend_in_parts<State>(
+      row_runs(tables, lens, B, max_blocks, BS), KVH, lens, part_keys(BS),
+      [&](const RowRun& run, int64_t h, int64_t k0, int64_t k1, State& st) {
+        attend_bf16<G, C>(pg, q, kc, vc, run, h, k0, k1, st);
+      },
+      [&](const RowRun& run, int64_t h, const State& st) { st.write(out, KVH * G, run, h); });
 }
 
 template <int64_t G>
@@ -335,92 +476,88 @@ bool decode_bf16_simd(const at::BFloat16* q, const at::BFloat16* kc, const at::B
 #undef INFERLAB_GROUP
 }
 
-// The int8 pool's path: decode_bf16's runs, tiles, softmax and P.V, with each 16-key tile's K rows widened to fp32
-// once for the run (vpmovsxbd + vcvtdq2ps) and the scores taken in fp32 FMAs against the fp32 query, then scaled
-// by the keys' scales (one load: a block keeps its scales together); each softmax weight is scaled by its value
-// row's scale before P.V. The pool read is half of bf16's.
+// The int8 pool's path: decode_bf16's runs, parts, tiles, softmax and P.V, with each 16-key tile's K rows widened to
+// fp32 once for the run (vpmovsxbd + vcvtdq2ps) and the scores taken in fp32 FMAs against the fp32 query, then
+// scaled by the keys' scales (one load: a block keeps its scales together); each softmax weight is scaled by its
+// value row's scale before P.V. The pool read is half of bf16's.
+template <typename T, int64_t G, int64_t C>
+void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc, const RowRun& run, int64_t h,
+                 int64_t k0, int64_t k1, Softmax<G, 64 * C>& st) {
+  constexpr int64_t D = 64 * C;
+  const int64_t H = pg.KVH * G, R = run.rows, last = run.first + R - 1, BS = pg.BS;
+  const int64_t block_bytes = int8_block_bytes(BS, D);
+  alignas(64) float p[kMaxRows][G][kTile];
+  alignas(64) float qf[kMaxRows][G][D];
+  alignas(64) float kf[kTile][D];
+  alignas(64) float vf[kTile][D];
+  float corr[kMaxRows][G];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) qf[r][g][d] = load(q, ((run.first + r) * H + h * G + g) * D + d) * pg.scale;
+  st.reset(R);
+  const int64_t len = pg.lens[last], end = std::min(len, k1);
+  const int64_t* table = pg.tables + last * pg.max_blocks;
+  for (int64_t start = k0; start < end; start += BS) {
+    const int64_t blk = start / BS;
+    prefetch_ahead(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, blk, k0 / BS, len, BS,
+                   h * pg.N, block_bytes);
+    const int8_t* kb = kc + (h * pg.N + table[blk]) * block_bytes;
+    const int8_t* vb = vc + (h * pg.N + table[blk]) * block_bytes;
+    const float* k_scales = reinterpret_cast<const float*>(kb + BS * D);
+    const float* v_scales = reinterpret_cast<const float*>(vb + BS * D);
+    for (int64_t t0 = 0; t0 < std::min(BS, end - start); t0 += kTile) {
+      const int64_t n = std::min({kTile, BS - t0, end - start - t0});
+      const auto widen = [](const int8_t* row, int64_t c) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
+      };
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&kf[j][16 * c], widen(kb + (t0 + j) * D, c));
+      if (R > 1)  // the tile's V rows widened once for all the run's rows
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&vf[j][16 * c], widen(vb + (t0 + j) * D, c));
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t nr = std::min(n, pg.lens[run.first + r] - start - t0);  // see attend_bf16
+        if (nr <= 0) continue;
+        const __mmask16 valid = first_lanes(nr);
+        const __m512 ks = _mm512_maskz_loadu_ps(valid, k_scales + t0);
+        const __m512 vs = _mm512_maskz_loadu_ps(valid, v_scales + t0);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 part[kTile];
+          for (int64_t j = 0; j < kTile; ++j) {
+            __m512 dp = _mm512_setzero_ps();
+            if (j < nr)
+              for (int64_t c = 0; c < 4 * C; ++c)
+                dp = _mm512_fmadd_ps(_mm512_load_ps(&qf[r][g][16 * c]), _mm512_load_ps(&kf[j][16 * c]), dp);
+            part[j] = dp;
+          }
+          const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), ks);
+          _mm512_store_ps(p[r][g], _mm512_mul_ps(softmax_tile(s, valid, st.m[r][g], st.l[r][g], corr[r][g]), vs));
+        }
+        if (R > 1) {
+          accumulate_pv<G, C>(st.acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+            for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
+          });
+        } else {
+          accumulate_pv<G, C>(st.acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
+            for (int64_t k = 0; k < 4; ++k) v[k] = widen(vb + (t0 + j) * D + 64 * c, k);
+          });
+        }
+      }
+    }
+  }
+}
+
 template <typename T, int64_t G, int64_t C>
 void decode_int8(const T* q, const int8_t* kc, const int8_t* vc, const int64_t* tables, const int64_t* lens, T* out,
                  int64_t B, int64_t KVH, int64_t N, int64_t BS, int64_t max_blocks, float scale) {
-  constexpr int64_t D = 64 * C;
-  const int64_t H = KVH * G;
-  const int64_t block_bytes = int8_block_bytes(BS, D);
-  const std::vector<RowRun> runs = row_runs(tables, lens, B, max_blocks, BS);
-  at::parallel_for(0, static_cast<int64_t>(runs.size()) * KVH, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMaxRows][G][D];
-    alignas(64) float p[kMaxRows][G][kTile];
-    alignas(64) float qf[kMaxRows][G][D];
-    alignas(64) float kf[kTile][D];
-    alignas(64) float vf[kTile][D];
-    for (int64_t i = begin; i < end; ++i) {
-      const RowRun run = runs[i / KVH];
-      const int64_t h = i % KVH, R = run.rows, last = run.first + R - 1;
-      float m[kMaxRows][G], l[kMaxRows][G], corr[kMaxRows][G];
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t d = 0; d < D; ++d) qf[r][g][d] = load(q, ((run.first + r) * H + h * G + g) * D + d) * scale;
-          m[r][g] = -std::numeric_limits<float>::infinity();
-          l[r][g] = 0.f;
-          for (int64_t d = 0; d < D; ++d) acc[r][g][d] = 0.f;
-        }
-      const int64_t len = lens[last];
-      const int64_t* table = tables + last * max_blocks;
-      for (int64_t start = 0; start < len; start += BS) {
-        const int64_t blk = start / BS;
-        prefetch_ahead(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, blk, len, BS,
-                       h * N, block_bytes);
-        const int8_t* kb = kc + (h * N + table[blk]) * block_bytes;
-        const int8_t* vb = vc + (h * N + table[blk]) * block_bytes;
-        const float* k_scales = reinterpret_cast<const float*>(kb + BS * D);
-        const float* v_scales = reinterpret_cast<const float*>(vb + BS * D);
-        for (int64_t t0 = 0; t0 < std::min(BS, len - start); t0 += kTile) {
-          const int64_t n = std::min({kTile, BS - t0, len - start - t0});
-          const auto widen = [](const int8_t* row, int64_t c) {
-            return _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
-          };
-          for (int64_t j = 0; j < n; ++j)
-            for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&kf[j][16 * c], widen(kb + (t0 + j) * D, c));
-          if (R > 1)  // the tile's V rows widened once for all the run's rows
-            for (int64_t j = 0; j < n; ++j)
-              for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&vf[j][16 * c], widen(vb + (t0 + j) * D, c));
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t nr = std::min(n, lens[run.first + r] - start - t0);  // see decode_bf16
-            if (nr <= 0) continue;
-            const __mmask16 valid = first_lanes(nr);
-            const __m512 ks = _mm512_maskz_loadu_ps(valid, k_scales + t0);
-            const __m512 vs = _mm512_maskz_loadu_ps(valid, v_scales + t0);
-            for (int64_t g = 0; g < G; ++g) {
-              __m512 part[kTile];
-              for (int64_t j = 0; j < kTile; ++j) {
-                __m512 dp = _mm512_setzero_ps();
-                if (j < nr)
-                  for (int64_t c = 0; c < 4 * C; ++c)
-                    dp = _mm512_fmadd_ps(_mm512_load_ps(&qf[r][g][16 * c]), _mm512_load_ps(&kf[j][16 * c]), dp);
-                part[j] = dp;
-              }
-              const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), ks);
-              _mm512_store_ps(p[r][g], _mm512_mul_ps(softmax_tile(s, valid, m[r][g], l[r][g], corr[r][g]), vs));
-            }
-            if (R > 1) {
-              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
-                for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
-              });
-            } else {
-              accumulate_pv<G, C>(acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
-                for (int64_t k = 0; k < 4; ++k) v[k] = widen(vb + (t0 + j) * D + 64 * c, k);
-              });
-            }
-          }
-        }
-      }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          const float inv = 1.f / l[r][g];
-          for (int64_t d = 0; d < D; ++d) store(out, ((run.first + r) * H + h * G + g) * D + d, acc[r][g][d] * inv);
-        }
-    }
-  });
+  using State = Softmax<G, 64 * C>;
+  const Paged pg{tables, lens, KVH, N, BS, max_blocks, scale};
+  attend_in_parts<State>(
+      row_runs(tables, lens, B, max_blocks, BS), KVH, lens, part_keys(BS),
+      [&](const RowRun& run, int64_t h, int64_t k0, int64_t k1, State& st) {
+        attend_int8<T, G, C>(pg, q, kc, vc, run, h, k0, k1, st);
+      },
+      [&](const RowRun& run, int64_t h, const State& st) { st.write(out, KVH * G, run, h); });
 }
 
 // Whether the int8 SIMD path took it (head sizes 64/128/256, up to 8 query heads per KV head).
