@@ -126,6 +126,7 @@ def extend(kernels, pools_by_dtype: dict[str, list[tuple[torch.Tensor, torch.Ten
             print(f"| {P} + {S} | {pool} | {ms['runs']:.1f} | {ms['rows']:.1f} | {ms['rows'] / ms['runs']:.2f}x |",
                   flush=True)
 
+
 def kernels_at(rev: str):
     """The kernels as built from git revision `rev`'s sources."""
     root = Path(__file__).resolve().parents[1]
