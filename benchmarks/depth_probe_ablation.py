@@ -23,7 +23,7 @@ from inferlab.engine.step_trace import read_step_trace
 from inferlab.lab import calibrate, capacity
 from inferlab.lab.capacity import Scenario, card_shape
 from inferlab.lab.card import load_card
-from inferlab.lab.simulate_cli import at_host_speed, compare, fit_request_overhead
+from inferlab.lab.simulate_cli import at_host_speed, compare, fit_request_overhead, measured_speed
 from inferlab.lab.step_cost import fit_step_cost, with_coefficients
 
 SHOWN = ("ttft p50", "ttft p99", "itl p50", "itl p99", "output_tokens_per_s")
@@ -63,7 +63,7 @@ def main() -> None:
     profiles = {}
     fits = (("with the probe", None), ("without", [(rows[0]["t"], probe - 1e-9)]))
     for name, windows in fits:
-        # Hardware stands in by ratios only (at_host_speed scales by them): 1 B/s and 1 FLOP/s.
+        # The hardware is not what this compares: 1 B/s and 1 FLOP/s stand in for it.
         cost = calibrate.calibrate_served([trace], {"name": "this host", "bandwidth": 1.0, "flops": 1.0},
                                           windows=windows)
         fit_request_overhead(cost, card_k, rate, args.requests, measured)
@@ -90,7 +90,7 @@ def main() -> None:
                     again = capacity.simulate(replace(sc, cost=host, card=drawn, arrival="poisson",
                                                       requests=pt["requests"]), rate=pt["rate"])
                     errors = {m["metric"]: m["rel_error"] for m in compare(run, again)["metrics"]}
-                    print(f"      at the steps' measured speed (x{pt['steps_vs_profile']['ratio']:.3f}): "
+                    print(f"      at the steps' measured speed (x{measured_speed(pt['steps_vs_profile']):.3f}): "
                           + ", ".join(f"{k} {errors[k]:+.0%}" for k in SHOWN)
                           + f"; meets the card {capacity.meets(vcard, again)}")
 

@@ -1,5 +1,6 @@
-"""One validated point, step by step: what the server's steps carried against what the simulation's did, and the
-point's latencies with the simulated engines' prefill budget started three ways (simulation only, seconds).
+"""One validated point, step by step: what the server's steps carried against what the simulation's did, the
+point's latencies with the simulated engines' prefill budget started three ways, and at the speed the served steps
+ran (simulation only, seconds).
 
     python benchmarks/simulated_steps.py examples/card-cpu-long.yaml --profile profile.json \
         --point simulate-validate/rate-1 --trace simulate-validate/steps.jsonl
@@ -27,6 +28,7 @@ import numpy as np
 
 from inferlab.engine.step_trace import BatchShape, read_step_trace
 from inferlab.lab import capacity, simulator
+from inferlab.lab.calibrate import step_time_ratio
 from inferlab.lab.card import load_card
 from inferlab.lab.sim_workload import card_requests
 from inferlab.lab.simulate_cli import compare
@@ -107,6 +109,16 @@ def main() -> None:
             scale = 1e3 if m != "output_tokens_per_s" else 1.0
             cells.append(f"{a * scale:.4g} / {b * scale:.4g} ({rel * 100:+.1f}%)")
         print(f"{m:36s}" + "".join(f"{c:>26s}" for c in cells))
+
+    # The point again at the speed its served steps ran (validate's at_measured_speed): by their median, and by
+    # their total time, which is what a queue feels.
+    simulator.prime_budget = starts["primed"]
+    r = step_time_ratio(cost, rows, windows=[(t0, end)])
+    print(f"\nthe served steps against the profile: median x{r['ratio']:.4f}, total x{r['time_ratio']:.4f}")
+    for name, k in (("profile's", 1.0), ("median's", r["ratio"]), ("total's", r["time_ratio"])):
+        sc = capacity.Scenario(draw, cost.stretched(k), shape, requests=n, arrival=card.traffic.open_loop_arrival)
+        e = {m["metric"]: m["rel_error"] for m in compare(run, capacity.simulate(sc, rate=rate))["metrics"]}
+        print(f"  at the {name} speed (x{k:.3f}): " + ", ".join(f"{m} {e[m]:+.1%}" for m in METRICS))
 
 
 if __name__ == "__main__":

@@ -456,6 +456,7 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
         assert r["steps"] == 40 and r["by_kind"]["mixed"]["steps"] == 20 and set(r["by_kind"]) == {"decode", "mixed"}
         assert r["by_kind"]["decode"]["ratio"] == pytest.approx(decode)
         assert r["by_kind"]["mixed"]["ratio"] == pytest.approx(mixed)
+        assert p["speed_band"]["itl p50"]["slower"] > 0 > p["speed_band"]["itl p50"]["faster"]
         again = p.get("at_measured_speed")
         assert (again is None) == (decode == mixed == 1.0)
         if speed != 1.0:
@@ -469,3 +470,32 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
     for text in ("stale profile", "calibration's did not"):
         assert (text in printed) == (text == says)
     assert ("at that speed the simulation gives ttft p50" in printed) == (says is not None)
+    assert "with every step 3% faster / slower than the profile" in printed
+
+
+def test_speed_band_moves_light_load_by_the_step_and_saturation_by_its_rate(setup):
+    """validate's speed band (the point simulated with every step 3% faster and 3% slower) against what holds
+    whatever the model: at light load a token's gap is one step, so ITL p50 moves by the step's 3%, and throughput
+    is the arrival rate, so it does not move; with all requests queued at once, throughput is what the steps
+    deliver, so it moves by 1/(1 -+ 3%), and TTFT p50, time spent queueing behind steps, by about the step's 3%."""
+    from inferlab.lab.simulate_cli import SPEED_BAND, speed_band
+
+    card, profile, _ = setup
+    cost = StepCost.load(profile)
+    c = load_card(card)
+    sc = capacity.Scenario(c, cost, capacity.card_shape(c, cost), requests=60)
+
+    def band(rate):
+        def simulate_at(k):
+            return capacity.simulate(replace(sc, cost=cost.stretched(k)), rate=rate)
+        return speed_band(simulate_at, capacity.simulate(sc, rate=rate))
+
+    light = band(0.5)
+    assert light["itl p50"]["faster"] == pytest.approx(-SPEED_BAND, abs=0.002)
+    assert light["itl p50"]["slower"] == pytest.approx(SPEED_BAND, abs=0.002)
+    assert abs(light["output_tokens_per_s"]["faster"]) < 0.002 and abs(light["output_tokens_per_s"]["slower"]) < 0.002
+    flood = band(1000.0)
+    assert flood["output_tokens_per_s"]["faster"] == pytest.approx(1 / (1 - SPEED_BAND) - 1, abs=0.003)
+    assert flood["output_tokens_per_s"]["slower"] == pytest.approx(1 / (1 + SPEED_BAND) - 1, abs=0.003)
+    assert flood["ttft p50"]["faster"] == pytest.approx(-SPEED_BAND, abs=0.005)
+    assert flood["ttft p50"]["slower"] == pytest.approx(SPEED_BAND, abs=0.005)

@@ -250,6 +250,43 @@ def test_scaling_to_other_hardware_follows_the_roofline_terms():
         StepCost().scaled("b", 1.0, 1.0)
 
 
+def test_a_stretched_profile_takes_every_step_k_times_as_long():
+    """Every step term, including any term added later, stretches; the host-side request overhead and the noise's
+    shape do not."""
+    c = StepCost(**{k: 1e-3 * (i + 1) for i, k in enumerate(COEFFICIENTS)}, step_noise=[0.9, 1.2])
+    s = c.stretched(1.05)
+    for k in COEFFICIENTS:
+        assert getattr(s, k) == pytest.approx(getattr(c, k) * (1.0 if k == "request_overhead" else 1.05)), k
+    assert s.step_noise == c.step_noise
+    step = StepFeatures(steps=1, prefill_tokens=100, decode_seqs=3, attended=900, sampled_rows=4, prefill_steps=1,
+                        prefill_pairs=5000)
+    assert s.time(step) == pytest.approx(1.05 * c.time(step))
+
+
+def test_step_time_ratio_tells_the_typical_step_from_the_total():
+    """Ten identical steps as the profile predicts them, two of them stalled to 3x, against a profile whose noise is
+    [0.9, 1.0, 1.4] (median 1.0, mean 1.1): the typical step has not moved (median 1.0), but the steps took
+    (8 + 6) / 10 = 1.4x the prediction, 1.4 / 1.1 of what the simulator draws for them. validate simulates the
+    point again at that total, not at the median."""
+    from inferlab.lab.calibrate import step_time_ratio
+    from inferlab.lab.simulate_cli import at_host_speed
+
+    cost = StepCost(intercept=0.010, per_decode_seq=1e-3, per_attended=1e-6, step_noise=[0.9, 1.0, 1.4])
+    shape = BatchShape((), 2, 300)
+    predicted = cost.time(shape_features(shape))
+    rows, t = [], 0.0
+    for i in range(10):
+        period = predicted * (3.0 if i % 5 == 4 else 1.0)
+        rows.append({"t": t, "dt": period, "busy": True, **shape.to_json()})
+        t += period
+    r = step_time_ratio(cost, rows)
+    assert r["steps"] == 10 and r["ratio"] == pytest.approx(1.0) and r["by_kind"]["decode"]["ratio"] == pytest.approx(1.0)
+    assert r["time_ratio"] == pytest.approx(1.4 / 1.1)
+    assert at_host_speed(cost, r).intercept == pytest.approx(0.010 * 1.4 / 1.1)
+    assert at_host_speed(cost, {"ratio": 1.2}).intercept == pytest.approx(0.012)  # a file from before the total
+    assert at_host_speed(cost, {**r, "time_ratio": 1.01}) is None  # within SPEED_NOTE: nothing to simulate again
+
+
 def test_features_of_a_step():
     """A prefill of 20: 20 x 10.5 query-key pairs; then a decode at 21 tokens reads 21 keys."""
     bm = BlockManager(100, 4)

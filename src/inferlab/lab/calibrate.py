@@ -358,14 +358,20 @@ def step_time_ratio(cost: StepCost, rows: list[dict], windows: list[tuple[float,
     measured / predicted period, relative to the profile's own median (its step_noise), overall and per kind of
     step. 1.0: the steps run as when the profile was fitted. On a shared host the same server drifts by 20% in an
     hour, and every latency the simulator predicts drifts with it; this is the check that tells a stale profile
-    from a wrong model."""
+    from a wrong model. The median says whether the typical step moved, whatever a few stalls did; `time_ratio`,
+    the steps' total time against the simulator's for the same steps, is the speed that queues feel."""
     feats, times, labels = trace_measurements(rows, windows)
-    kept = [(t / p, lb.split(" (")[0]) for f, t, lb in zip(feats, times, labels) if (p := cost.time(f)) > 0]
+    kept = [(t, p, lb.split(" (")[0]) for f, t, lb in zip(feats, times, labels) if (p := cost.time(f)) > 0]
     if not kept:
-        return {"steps": 0, "ratio": None, "by_kind": {}}
+        return {"steps": 0, "ratio": None, "time_ratio": None, "by_kind": {}}
     base = float(np.median(cost.step_noise)) if cost.step_noise else 1.0
-    ratio = np.array([r for r, _ in kept]) / base
-    kinds = np.array([k for _, k in kept])
+    measured, predicted = np.array([t for t, _, _ in kept]), np.array([p for _, p, _ in kept])
+    ratio = measured / predicted / base
+    kinds = np.array([k for _, _, k in kept])
+    # The simulator stretches each step by a draw from the profile's noise, so its steps take the noise's mean on
+    # top of the prediction; the served steps' total against that is the speed a queue feels.
+    mean_noise = float(np.mean(cost.step_noise)) if cost.step_noise else 1.0
     return {"steps": int(len(ratio)), "ratio": float(np.median(ratio)),
+            "time_ratio": float(measured.sum() / predicted.sum() / mean_noise),
             "by_kind": {k: {"steps": int((kinds == k).sum()), "ratio": float(np.median(ratio[kinds == k]))}
                         for k in sorted(set(kinds.tolist()))}}

@@ -511,6 +511,9 @@ def _validate(args) -> int:
         predicted = capacity.simulate(replace(sc, cost=cost, shape=shape, card=card_k, arrival=arrival,
                                               requests=lp.requests), rate=rate)
         point = compare(measured, predicted)
+        point["speed_band"] = speed_band(
+            lambda k: capacity.simulate(replace(sc, cost=cost.stretched(k), shape=shape, card=card_k,
+                                                arrival=arrival, requests=lp.requests), rate=rate), predicted)
         point.update(rate=rate, requests=measured["counts"]["measured"],
                      simulated_requests=predicted["counts"]["measured"], seed=lp.seed, text_seed=lp.text_seed,
                      results=measured.get("path"),
@@ -523,10 +526,11 @@ def _validate(args) -> int:
             if host is not None:
                 again = capacity.simulate(replace(sc, cost=host, shape=shape, card=card_k, arrival=arrival,
                                                   requests=lp.requests), rate=rate)
-                point["at_measured_speed"] = {"ratio": r["ratio"], **compare(measured, again),
+                point["at_measured_speed"] = {"ratio": measured_speed(r), **compare(measured, again),
                                               "meets_predicted": capacity.meets(sc.card, again)}
         out["points"].append(point)
     print_validation(out["points"])
+    print_speed_bands(out["points"])
     if trace is not None:
         print_step_drift(out["points"])
     if bracket is not None:
@@ -625,17 +629,51 @@ SPEED_NOTE = 0.03  # steps this much off the profile: also simulate the point at
 SPEED_METRICS = ("ttft p50", "ttft p99", "itl p50", "itl p99", "output_tokens_per_s")  # printed of that simulation
 
 
+def measured_speed(r: dict) -> float | None:
+    """How long the server's steps took against the simulator's (step_time_ratio): their total time, which is
+    what queues feel; the median, for validate files written before the total was kept."""
+    return r.get("time_ratio") or r.get("ratio")
+
+
 def at_host_speed(cost, r: dict):
-    """The profile at the speed the server's steps ran (every step term times the point's measured ratio), or None
-    when they ran within SPEED_NOTE of it or the profile does not record the hardware it was fitted on. What it
-    predicts is not a prediction (its speed comes from the very measurement), but it separates the model's error
-    from the host's: on a host that sped up 9% in the half hour of a run, TTFT p50 +16% from the profile, -3% at
-    the measured speed (docs/benchmarks.md)."""
-    k = r.get("ratio")
-    hw = cost.hardware
-    if not k or abs(k - 1) < SPEED_NOTE or not hw.get("bandwidth") or not hw.get("flops"):
+    """The profile at the speed the server's steps ran (every step term times measured_speed), or None when they
+    ran within SPEED_NOTE of it. What it predicts is not a prediction (its speed comes from the very measurement),
+    but it separates the model's error from the host's: on a host that sped up 9% in the half hour of a run, TTFT
+    p50 +16% from the profile, -3% at the measured speed. The total, not the median: near saturation, where a
+    stall's time is never made up, a point whose median step ran x1.03 and total x1.045 (the short card at 1.54
+    req/s) came out TTFT p50 -14% at the median's speed and -6% at the total's (docs/benchmarks.md)."""
+    k = measured_speed(r)
+    if not k or abs(k - 1) < SPEED_NOTE:
         return None
-    return cost.scaled(f"{hw.get('name')} at x{k:.2f}", hw["bandwidth"] / k, hw["flops"] / k)
+    return cost.stretched(k)
+
+
+SPEED_BAND = 0.03  # validate also simulates each point with every step this much faster and slower
+
+
+def speed_band(simulate_at, predicted: dict) -> dict:
+    """What a host SPEED_BAND faster or slower than the profile would do to a point's prediction: per metric, the
+    relative change each way. `simulate_at(k)` simulates the point with every step k times as long. Light load
+    barely moves; near saturation a queue amplifies the host: on the short card at 1.54 req/s, TTFT p50 moves
+    ~5% for each 1% of step time, so a prediction there is only as good as the host's speed stays."""
+    out: dict[str, dict[str, float | None]] = {}
+    for side, k in (("faster", 1 - SPEED_BAND), ("slower", 1 + SPEED_BAND)):
+        for m in compare(predicted, simulate_at(k))["metrics"]:
+            out.setdefault(m["metric"], {})[side] = m["rel_error"]
+    return out
+
+
+def print_speed_bands(points: list[dict]) -> None:
+    """One line a point: how far its prediction moves with a host SPEED_BAND faster or slower (speed_band)."""
+    print(f"with every step {SPEED_BAND:.0%} faster / slower than the profile, the simulation moves:")
+    for p in points:
+        band = p["speed_band"]
+        cells = ", ".join(f"{m} {_pct(band[m]['faster'])} / {_pct(band[m]['slower'])}" for m in SPEED_METRICS)
+        print(f"  {p['rate']:g} req/s: {cells}")
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:+.0%}"
 
 
 def print_step_drift(points: list[dict]) -> None:
@@ -647,8 +685,9 @@ def print_step_drift(points: list[dict]) -> None:
             continue
         kinds = ", ".join(f"{k} x{v['ratio']:.2f} ({v['steps']})" for k, v in r["by_kind"].items())
         warning = step_drift_warning(r)
+        total = f", all together x{r['time_ratio']:.3f}" if r.get("time_ratio") else ""
         print(f"{p['rate']:g} req/s: the server's steps ran x{r['ratio']:.2f} the profile's time (median of "
-              f"{r['steps']}; {kinds})" + (f" - {warning}" if warning else ""))
+              f"{r['steps']}; {kinds}{total})" + (f" - {warning}" if warning else ""))
         if again := p.get("at_measured_speed"):
             errors = ", ".join(f"{m['metric']} {m['rel_error']:+.0%}" for m in again["metrics"]
                                if m["metric"] in SPEED_METRICS and m["rel_error"] is not None)

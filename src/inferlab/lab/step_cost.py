@@ -142,6 +142,15 @@ class StepCost:
     def step_time(self, batch: ScheduledBatch) -> float:
         return self.time(batch_features(batch))
 
+    def stretched(self, k: float) -> "StepCost":
+        """The profile with every step's time k times as long (k < 1: shorter): the same host running slower or
+        faster than when it was calibrated. Request overhead (host-side, between steps) is kept."""
+        out = StepCost(**{f.name: getattr(self, f.name) for f in fields(self)})
+        for c in (*MEMORY_TERMS, *COMPUTE_TERMS):
+            setattr(out, c, getattr(self, c) * k)
+        out.notes = [*self.notes, f"every step term x{k:.4g}"]
+        return out
+
     def scaled(self, to_name: str, bandwidth: float, flops: float) -> "StepCost":
         """The profile moved to other hardware by `inferlab fit`'s roofline: memory terms scale with the ratio of
         bandwidths, compute terms with the ratio of FLOP/s. Request overhead (host-side) is kept."""
