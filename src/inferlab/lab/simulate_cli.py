@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             q.add_argument("--bracket-requests", type=int, default=200,
                            help="measured requests in the draw benched at both bracket rates (the same lengths and "
                                 "arrival gaps, scaled by the rate, in different words)")
+            q.add_argument("--speed-probe", type=int, default=0, metavar="REQUESTS",
+                           help="before each point, serve this many of the card's requests a full batch at a time "
+                                "and predict the point also with the profile stretched to the speed those steps ran "
+                                "(the card's inferlab server, started here); the bracket (--max-rate-within) is then "
+                                "centred at that speed. On a shared host whose speed moves 5-8%% in ten minutes, "
+                                "this tells the model's error from the host's before the point, not after it")
             q.add_argument("--leave-one-out", action="store_true",
                            help="predict each rate from the server's own steps at the other rates (the card's "
                                 "inferlab server, started here with --step-trace) instead of --profile's "
@@ -476,28 +482,58 @@ def _validate(args) -> int:
         # on one draw at two rates, only the model (and the host) can put the server on the wrong side.
         draw_seed = sc.card.traffic.seed + len(rates)
         draw_card = replace(sc.card, traffic=replace(sc.card.traffic, seed=draw_seed))
-        m = capacity.max_rate(replace(sc, card=draw_card, arrival=arrival, requests=args.bracket_requests))
-        if m.rate is None:
-            raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
-        bracket = (m.rate, m.rate * (1 - args.max_rate_within), m.rate * (1 + args.max_rate_within))
+
+        def draw_bracket(cost) -> tuple[float, float, float]:
+            m = capacity.max_rate(replace(sc, cost=cost, card=draw_card, arrival=arrival,
+                                          requests=args.bracket_requests))
+            if m.rate is None:
+                raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
+            return m.rate, m.rate * (1 - args.max_rate_within), m.rate * (1 + args.max_rate_within)
+
+        bracket = profile_bracket = draw_bracket(sc.cost)
     if not rates and bracket is None:
         raise ValueError("validate needs --rates (requests/s the calibration did not use) or --max-rate-within")
-    loads = [LoadPoint(r, args.requests, sc.card.traffic.seed + i) for i, r in enumerate(rates)]
-    if bracket is not None:  # one draw in two texts, so the second point finds nothing of the first in the cache
-        loads += [LoadPoint(round(bracket[1], 4), args.bracket_requests, draw_seed, text_seed=1),
-                  LoadPoint(round(bracket[2], 4), args.bracket_requests, draw_seed, text_seed=2)]
-    out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url,
-           "leave_one_out": args.leave_one_out, "points": []}
-    if args.leave_one_out and (args.base_url or sc.card.server.kind != "inferlab" or len(loads) < 2):
-        raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
-                         "(it reads the server's step trace)")
     # An inferlab server started here always writes its step trace: besides leave-one-out, it tells whether the
     # server's steps ran as the profile says (a stale profile) when a prediction misses.
     trace = Path(args.output_dir) / "steps.jsonl" if args.base_url is None and sc.card.server.kind == "inferlab" \
         else None
+    if args.speed_probe < 0 or (args.speed_probe and trace is None):
+        raise ValueError(f"--speed-probe {args.speed_probe}: give a number of requests, for the card's inferlab server "
+                         f"started here (the probe's speed is read from its step trace)")
+
+    def probed(cost, window) -> dict:
+        """How a probe's steps ran against a profile (step_time_ratio over its window)."""
+        return step_time_ratio(cost, read_step_trace(trace)[1], windows=[window])
+
+    loads: list = [LoadPoint(r, args.requests, sc.card.traffic.seed + i) for i, r in enumerate(rates)]
+    resolved: dict[int, LoadPoint] = {}
+    centred: dict[str, float] = {}  # the speed probed before the first bracket point, which centred the bracket
+    if bracket is not None:  # one draw in two texts, so the second point finds nothing of the first in the cache
+        if args.speed_probe:
+            def bracket_point(side: int):
+                def at_probed_speed(window) -> LoadPoint:
+                    nonlocal bracket
+                    if not centred:  # the first bracket point's probe centres both
+                        centred["speed"] = measured_speed(probed(sc.cost, window)) or 1.0
+                        bracket = draw_bracket(sc.cost.stretched(centred["speed"]))
+                    resolved[len(rates) + side - 1] = lp = LoadPoint(round(bracket[side], 4),
+                                                                     args.bracket_requests, draw_seed, text_seed=side)
+                    return lp
+                return at_probed_speed
+            loads += [bracket_point(1), bracket_point(2)]
+        else:
+            loads += [LoadPoint(round(bracket[1], 4), args.bracket_requests, draw_seed, text_seed=1),
+                      LoadPoint(round(bracket[2], 4), args.bracket_requests, draw_seed, text_seed=2)]
+    out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url,
+           "leave_one_out": args.leave_one_out, "speed_probe": args.speed_probe, "points": []}
+    if args.leave_one_out and (args.base_url or sc.card.server.kind != "inferlab" or len(loads) < 2):
+        raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
+                         "(it reads the server's step trace)")
     points = bench_rates(sc.card, loads, Path(args.output_dir), base_url=args.base_url, arrival=arrival,
                          burstiness=args.burstiness,
-                         server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
+                         server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)},
+                         probe=args.speed_probe, probe_users=sc.shape.max_num_seqs)
+    loads = [resolved.get(i, spec) for i, spec in enumerate(loads)]
     steps = read_step_trace(trace)[1] if trace is not None else None
     for i, ((rate, card_k, measured), lp) in enumerate(zip(points, loads)):
         cost, shape = sc.cost, sc.shape
@@ -528,6 +564,13 @@ def _validate(args) -> int:
                                                   requests=lp.requests), rate=rate)
                 point["at_measured_speed"] = {"ratio": measured_speed(r), **compare(measured, again),
                                               "meets_predicted": capacity.meets(sc.card, again)}
+        if measured.get("probe_window"):
+            r = probed(cost, measured["probe_window"])
+            k = measured_speed(r) or 1.0
+            again = capacity.simulate(replace(sc, cost=cost.stretched(k), shape=shape, card=card_k, arrival=arrival,
+                                              requests=lp.requests), rate=rate)
+            point["at_probed_speed"] = {"ratio": k, "steps": r["steps"], **compare(measured, again),
+                                        "meets_predicted": capacity.meets(sc.card, again)}
         out["points"].append(point)
     print_validation(out["points"])
     print_speed_bands(out["points"])
@@ -535,10 +578,15 @@ def _validate(args) -> int:
         print_step_drift(out["points"])
     if bracket is not None:
         out["max_rate"] = {**max_rate_verdict(bracket, args.max_rate_within, out["points"]),
+                           "profile_speed_predicted": profile_bracket[0],
                            "draw": {"seed": draw_seed, "requests": args.bracket_requests},
                            "load_predicted": load_max.rate, "load_search_requests": args.search_requests}
         load = "none" if load_max.rate is None else f"{load_max.rate:.3g} req/s"
         print(f"the load's SLO-max rate (searched on {args.search_requests:,} simulated requests a point): {load}")
+        if centred:
+            out["max_rate"]["centred_at_speed"] = centred["speed"]
+            print(f"the bracket is centred at the speed probed before it (steps x{centred['speed']:.3f} the "
+                  f"profile's; at the profile's speed the draw's SLO-max is {profile_bracket[0]:.3g} req/s)")
         print(out["max_rate"]["verdict"])
         for p in out["points"][-2:]:
             if near := p["nearest_objective"]:
@@ -561,11 +609,18 @@ class LoadPoint:
     text_seed: int | None = None  # bench --text-seed: the seed's lengths and arrival times in other words
 
 
-def bench_rates(card, loads: list[LoadPoint], out_dir: Path, base_url: str | None = None,
+PROBE_SEED = 2000  # a speed probe's draw: card seed + this + the point's index (calibrate's are + 1000)
+
+
+def bench_rates(card, loads: list, out_dir: Path, base_url: str | None = None,
                 server_config: dict | None = None, arrival: str | None = None,
-                burstiness: float | None = None) -> list[tuple[float, object, dict]]:
+                burstiness: float | None = None, probe: int = 0,
+                probe_users: int = 4) -> list[tuple[float, object, dict]]:
     """`inferlab bench` at each load point against one server (the card's, started here, unless base_url):
-    (rate, the card as run, its measured run)."""
+    (rate, the card as run, its measured run). With `probe` > 0, each point follows a speed probe: `probe` of the
+    card's requests, closed loop at `probe_users` (a full batch), whose (start, end) is the run's "probe_window". A
+    load may then be a function of that window, returning its LoadPoint (validate's bracket, centred at the speed
+    the probe ran)."""
     import asyncio
     import time
 
@@ -582,7 +637,18 @@ def bench_rates(card, loads: list[LoadPoint], out_dir: Path, base_url: str | Non
     arrival = arrival or card.traffic.open_loop_arrival
     points = []
     try:
-        for lp in loads:
+        for i, spec in enumerate(loads):
+            probe_window = None
+            if probe > 0:
+                probe_card = replace(card, traffic=replace(card.traffic, seed=card.traffic.seed + PROBE_SEED + i))
+                cfg = to_bench_config(probe_card, base_url=base_url, output_dir=out_dir / f"probe-{i}")
+                cfg.loads = [Load("concurrency", probe_users)]
+                cfg.num_requests, cfg.duration, cfg.warmup = probe, None, 0
+                print(f"speed probe: {probe} requests, {probe_users} at a time ...", file=sys.stderr)
+                t0 = time.perf_counter()
+                asyncio.run(Benchmark(cfg).run())
+                probe_window = (t0, time.perf_counter())
+            lp = spec(probe_window) if callable(spec) else spec
             rate = lp.rate
             card_k = replace(card, traffic=replace(card.traffic, seed=lp.seed))
             cfg = to_bench_config(card_k, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
@@ -594,7 +660,8 @@ def bench_rates(card, loads: list[LoadPoint], out_dir: Path, base_url: str | Non
                   file=sys.stderr)
             t0 = time.perf_counter()  # the clock a step trace stamps steps with (CLOCK_MONOTONIC)
             outcome = asyncio.run(Benchmark(cfg).run())
-            measured = {**outcome.results["runs"][0], "path": str(outcome.path), "window": (t0, time.perf_counter())}
+            measured = {**outcome.results["runs"][0], "path": str(outcome.path), "window": (t0, time.perf_counter()),
+                        "probe_window": probe_window}
             points.append((rate, card_k, measured))
             if outcome.interrupted:
                 break
@@ -689,11 +756,17 @@ def print_step_drift(points: list[dict]) -> None:
         print(f"{p['rate']:g} req/s: the server's steps ran x{r['ratio']:.2f} the profile's time (median of "
               f"{r['steps']}; {kinds}{total})" + (f" - {warning}" if warning else ""))
         if again := p.get("at_measured_speed"):
-            errors = ", ".join(f"{m['metric']} {m['rel_error']:+.0%}" for m in again["metrics"]
-                               if m["metric"] in SPEED_METRICS and m["rel_error"] is not None)
-            yes = {True: "yes", False: "no"}
-            print(f"    at that speed the simulation gives {errors}; meets the card: "
-                  f"{yes[again['meets_predicted']]} (measured: {yes[p['meets_measured']]})")
+            print(f"    at that speed the simulation gives {_errors_and_verdict(again, p)}")
+        if probe := p.get("at_probed_speed"):
+            print(f"    the probe before it ran x{probe['ratio']:.3f} ({probe['steps']} steps); at that speed the "
+                  f"simulation gives {_errors_and_verdict(probe, p)}")
+
+
+def _errors_and_verdict(again: dict, p: dict) -> str:
+    errors = ", ".join(f"{m['metric']} {m['rel_error']:+.0%}" for m in again["metrics"]
+                       if m["metric"] in SPEED_METRICS and m["rel_error"] is not None)
+    yes = {True: "yes", False: "no"}
+    return f"{errors}; meets the card: {yes[again['meets_predicted']]} (measured: {yes[p['meets_measured']]})"
 
 
 def _margin(check) -> float | None:
