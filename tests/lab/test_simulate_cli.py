@@ -586,14 +586,22 @@ def test_speed_probe_predicts_each_point_and_centres_the_bracket_at_the_speed_th
 
     monkeypatch.setattr(simulate_cli, "bench_rates", host_server)
     verdicts = {}
-    for n in (0, 8):
+    # A profile whose own calibration probes ran as fast: the probe reads 0.9, but the host is where it was.
+    same = StepCost.load(profile)
+    same.speed_reference = {"time_ratio": 0.9, "steps": 40, "requests": 8, "users": 4}
+    same_path = same.save(tmp_path / "same.json")
+    for n, prof in ((0, profile), (8, profile), ("same", same_path)):
         out = tmp_path / f"val-{n}.json"
-        assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "2", "--requests", "20",
+        assert main(["simulate", "validate", str(card), "--profile", str(prof), "--rates", "2", "--requests", "20",
                      "--max-rate-within", "0.15", "--bracket-requests", "40", "--search-requests", "200",
-                     "--speed-probe", str(n), "--output-dir", str(tmp_path / f"runs-{n}"), "--json", str(out)]) == 0
+                     "--speed-probe", "0" if n == 0 else "8", "--output-dir", str(tmp_path / f"runs-{n}"),
+                     "--json", str(out)]) == 0
         d = json.loads(out.read_text())
         verdicts[n] = d["max_rate"]
-        if n:
+        if n == "same":
+            assert all(p["at_probed_speed"]["probe_ratio"] == pytest.approx(0.9) and
+                       p["at_probed_speed"]["ratio"] == pytest.approx(1.0) for p in d["points"])
+        elif n:
             for p in d["points"]:
                 probed = p["at_probed_speed"]
                 assert probed["ratio"] == pytest.approx(0.9) and probed["steps"] == 20
@@ -601,7 +609,7 @@ def test_speed_probe_predicts_each_point_and_centres_the_bracket_at_the_speed_th
                            if m["rel_error"] is not None)
         else:
             assert all("at_probed_speed" not in p for p in d["points"])
-    assert probes == [(8, 4)] * 3  # before each point; a full batch is the card's 4 sequences
+    assert probes == [(8, 4)] * 6  # before each point; a full batch is the card's 4 sequences
     draw = replace(c, traffic=replace(c.traffic, seed=c.traffic.seed + 1))
     sc = capacity.Scenario(draw, cost, shape, requests=40)
     assert verdicts[8]["centred_at_speed"] == pytest.approx(0.9)
@@ -609,4 +617,75 @@ def test_speed_probe_predicts_each_point_and_centres_the_bracket_at_the_speed_th
     assert verdicts[8]["profile_speed_predicted"] == pytest.approx(capacity.max_rate(sc).rate)
     assert verdicts[0]["predicted"] == verdicts[8]["profile_speed_predicted"]
     assert verdicts[8]["within"] and not verdicts[0]["within"]
+    assert verdicts["same"]["centred_at_speed"] == pytest.approx(1.0)
+    assert verdicts["same"]["predicted"] == pytest.approx(verdicts[0]["predicted"])
     assert "the bracket is centred at the speed probed before it (steps x0.900" in capsys.readouterr().out
+
+
+def test_calibrate_served_keeps_its_speed_probes_as_the_reference(setup, tmp_path, monkeypatch):
+    """calibrate served probes before each rate, a full batch of the server as its trace header says, and keeps how
+    the probes' steps ran against the fitted profile: here they ran 5% faster than the load's steps (as a short
+    burst after a load can), so the reference reads ~0.95 and a validate probe that reads 0.95 is the same host.
+    Model-free: the server and bench are replaced by a trace of known steps."""
+    import contextlib
+
+    from inferlab.engine.step_trace import BatchShape
+    from inferlab.lab import card as card_module
+    from inferlab.lab import simulate_cli
+    from inferlab.lab.step_cost import shape_features
+
+    card, profile, _ = setup
+    c, true = load_card(card), StepCost.load(profile)
+    header = {"schema": "inferlab.step_trace/1", "model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 100,
+              "max_num_seqs": 3, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
+              "block_size": 16, "num_blocks": 500, "enable_prefix_caching": True}
+    trace = tmp_path / "cal" / "steps.jsonl"
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_server(server, config=None, log_path=None):
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text(json.dumps(header) + "\n")  # the engine writes its header as it starts
+        yield type("Srv", (), {"base_url": "http://127.0.0.1:9", "api_key": None})()
+
+    def steps(t, n, speed, rng):
+        rows = []
+        for k in range(n):
+            d = int(rng.integers(1, 4))
+            row = {"t": t, "busy": k < n - 1, "p": [[0, int(rng.integers(16, 200)), True]] if k % 4 == 0 else [],
+                   "d": d, "da": int(d * rng.integers(50, 400))}
+            row["dt"] = speed * true.time(shape_features(BatchShape.from_json(row)))
+            rows.append(row)
+            t += row["dt"]
+        return rows, t
+
+    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None,
+                         probe=0, probe_users=4):
+        calls.append((probe, probe_users))
+        rng, t, rows, points = np.random.default_rng(0), 0.0, [], []
+        for lp in loads:
+            probe_rows, t1 = steps(t, 40, 0.95, rng)
+            load_rows, t2 = steps(t1 + 1.0, 300, 1.0, rng)
+            rows += probe_rows + load_rows
+            card_k = replace(card_, traffic=replace(card_.traffic, seed=lp.seed))
+            run = capacity.simulate(capacity.Scenario(card_k, true, capacity.card_shape(c, true),
+                                                      requests=lp.requests), rate=lp.rate)
+            points.append((lp.rate, card_k, {**run, "path": None, "window": (t1 + 1.0, t2),
+                                             "probe_window": (t, t1 - 1e-9)}))
+            t = t2 + 1.0
+        with trace.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        return points
+
+    monkeypatch.setattr(card_module, "start_server", fake_server)
+    monkeypatch.setattr(simulate_cli, "bench_rates", fake_bench_rates)
+    monkeypatch.setattr(simulate_cli, "_this_machine", lambda: {"name": "cpu", "bandwidth": 2e10, "flops": 5e11})
+    out = tmp_path / "profile.json"
+    assert main(["simulate", "calibrate", "served", str(card), "--rates", "1,3", "--requests", "20",
+                 "--depth-probe", "0", "--speed-probe", "12", "--output-dir", str(tmp_path / "cal"),
+                 "-o", str(out)]) == 0
+    assert calls == [(12, 3)]
+    got = StepCost.load(out)
+    assert got.speed_reference["requests"] == 12 and got.speed_reference["users"] == 3
+    assert got.speed_reference["steps"] == 80
+    assert got.speed_reference["time_ratio"] == pytest.approx(0.95, abs=0.02)

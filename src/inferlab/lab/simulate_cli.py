@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sv.add_argument("--requests", type=int, default=60, help="measured requests per rate")
     sv.add_argument("--output-dir", default="simulate-calibrate", help="bench results and the step trace go here")
     sv.add_argument("-o", "--output", default="step-cost.json")
+    sv.add_argument("--speed-probe", type=int, default=16, metavar="REQUESTS",
+                    help="before each rate, serve this many of the card's requests a full batch at a time; the "
+                         "profile keeps how their steps ran against it, the reference `validate --speed-probe` "
+                         "reads its own probes against (0: none)")
     sv.add_argument("--depth-probe", type=int, default=4096, metavar="TOKENS",
                     help="then serve prompts of 512, 1024, ... up to this many tokens, one at a time, so that the fit "
                          "sees prefill attention deeper than the card's prompts and the profile predicts longer "
@@ -182,7 +186,8 @@ def _this_machine() -> dict:
 def _calibrate_served(args, command: str):
     """Serve the card's load at each rate with the step trace on (then the depth probe), fit the step cost to the
     trace, then the request overhead to the lowest rate's TTFT (fit_request_overhead)."""
-    from inferlab.lab.calibrate import calibrate_served
+    from inferlab.engine.step_trace import read_step_trace
+    from inferlab.lab.calibrate import calibrate_served, step_time_ratio
     from inferlab.lab.card import load_card, start_server
     from inferlab.lab.depth_probe import probe_depths
 
@@ -192,6 +197,8 @@ def _calibrate_served(args, command: str):
                          f"engine's step trace); for another server use `calibrate bench`")
     if args.depth_probe < 0:
         raise ValueError(f"--depth-probe {args.depth_probe}: give a prompt length in tokens, or 0 for no probe")
+    if args.speed_probe < 0:
+        raise ValueError(f"--speed-probe {args.speed_probe}: give a number of requests, or 0 for no probe")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / "steps.jsonl"
@@ -201,11 +208,18 @@ def _calibrate_served(args, command: str):
                       log_path=out_dir / "server.log") as srv:
         # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
         # validation run on the same server, or the other way round.
+        users = read_step_trace(trace)[0]["max_num_seqs"]  # a full batch of the server as it runs
         points = bench_rates(card, [LoadPoint(r, args.requests, card.traffic.seed + 1000 + i)
-                                    for i, r in enumerate(rates)], out_dir, base_url=srv.base_url)
+                                    for i, r in enumerate(rates)], out_dir, base_url=srv.base_url,
+                             probe=args.speed_probe, probe_users=users)
         probed = probe_depths(srv.base_url, args.depth_probe, api_key=srv.api_key,
                               log=lambda m: print(m, file=sys.stderr)) if args.depth_probe else []
     cost = calibrate_served([trace], _this_machine(), command)
+    windows = [m["probe_window"] for _, _, m in points if m.get("probe_window")]
+    if windows:
+        r = step_time_ratio(cost, read_step_trace(trace)[1], windows=windows)
+        cost.speed_reference = {"time_ratio": r["time_ratio"], "steps": r["steps"], "requests": args.speed_probe,
+                                "users": users}
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
                           f"after the card's load, {len(probed)} in all (depth_probe.py)")
@@ -501,9 +515,18 @@ def _validate(args) -> int:
         raise ValueError(f"--speed-probe {args.speed_probe}: give a number of requests, for the card's inferlab server "
                          f"started here (the probe's speed is read from its step trace)")
 
+    reference = sc.cost.speed_reference.get("time_ratio") or 1.0
+    if args.speed_probe and sc.cost.speed_reference.get("requests") not in (None, args.speed_probe):
+        print(f"note: the calibration's speed probes served {sc.cost.speed_reference['requests']} requests each, "
+              f"these {args.speed_probe}: the two are read against each other all the same", file=sys.stderr)
+
     def probed(cost, window) -> dict:
-        """How a probe's steps ran against a profile (step_time_ratio over its window)."""
-        return step_time_ratio(cost, read_step_trace(trace)[1], windows=[window])
+        """How a probe's steps ran against a profile (step_time_ratio over its window), and the host's speed that
+        says: against the calibration's own probes where the profile has them. A probe right after a load runs
+        other steps than the load does (a full batch, closed loop); read against a probe of the same kind, what
+        is left is the host."""
+        r = step_time_ratio(cost, read_step_trace(trace)[1], windows=[window])
+        return {**r, "speed": (measured_speed(r) or reference) / reference}
 
     loads: list = [LoadPoint(r, args.requests, sc.card.traffic.seed + i) for i, r in enumerate(rates)]
     resolved: dict[int, LoadPoint] = {}
@@ -514,7 +537,7 @@ def _validate(args) -> int:
                 def at_probed_speed(window) -> LoadPoint:
                     nonlocal bracket
                     if not centred:  # the first bracket point's probe centres both
-                        centred["speed"] = measured_speed(probed(sc.cost, window)) or 1.0
+                        centred["speed"] = probed(sc.cost, window)["speed"]
                         bracket = draw_bracket(sc.cost.stretched(centred["speed"]))
                     resolved[len(rates) + side - 1] = lp = LoadPoint(round(bracket[side], 4),
                                                                      args.bracket_requests, draw_seed, text_seed=side)
@@ -565,11 +588,11 @@ def _validate(args) -> int:
                 point["at_measured_speed"] = {"ratio": measured_speed(r), **compare(measured, again),
                                               "meets_predicted": capacity.meets(sc.card, again)}
         if measured.get("probe_window"):
-            r = probed(cost, measured["probe_window"])
-            k = measured_speed(r) or 1.0
-            again = capacity.simulate(replace(sc, cost=cost.stretched(k), shape=shape, card=card_k, arrival=arrival,
-                                              requests=lp.requests), rate=rate)
-            point["at_probed_speed"] = {"ratio": k, "steps": r["steps"], **compare(measured, again),
+            r = probed(sc.cost, measured["probe_window"])
+            again = capacity.simulate(replace(sc, cost=cost.stretched(r["speed"]), shape=shape, card=card_k,
+                                              arrival=arrival, requests=lp.requests), rate=rate)
+            point["at_probed_speed"] = {"ratio": r["speed"], "probe_ratio": measured_speed(r), "reference": reference,
+                                        "steps": r["steps"], **compare(measured, again),
                                         "meets_predicted": capacity.meets(sc.card, again)}
         out["points"].append(point)
     print_validation(out["points"])
@@ -708,7 +731,7 @@ def at_host_speed(cost, r: dict):
     but it separates the model's error from the host's: on a host that sped up 9% in the half hour of a run, TTFT
     p50 +16% from the profile, -3% at the measured speed. The total, not the median: near saturation, where a
     stall's time is never made up, a point whose median step ran x1.03 and total x1.045 (the short card at 1.54
-    req/s) came out TTFT p50 -14% at the median's speed and -6% at the total's (docs/benchmarks.md)."""
+    req/s) came out TTFT p50 -14% at the median's speed and -3% at the total's (docs/benchmarks.md)."""
     k = measured_speed(r)
     if not k or abs(k - 1) < SPEED_NOTE:
         return None
@@ -758,8 +781,9 @@ def print_step_drift(points: list[dict]) -> None:
         if again := p.get("at_measured_speed"):
             print(f"    at that speed the simulation gives {_errors_and_verdict(again, p)}")
         if probe := p.get("at_probed_speed"):
-            print(f"    the probe before it ran x{probe['ratio']:.3f} ({probe['steps']} steps); at that speed the "
-                  f"simulation gives {_errors_and_verdict(probe, p)}")
+            print(f"    the probe before it ran x{probe['probe_ratio']:.3f} ({probe['steps']} steps; the calibration's "
+                  f"x{probe['reference']:.3f}): the host at x{probe['ratio']:.3f}, where the simulation gives "
+                  f"{_errors_and_verdict(probe, p)}")
 
 
 def _errors_and_verdict(again: dict, p: dict) -> str:
