@@ -539,11 +539,12 @@ def test_speed_band_moves_light_load_by_the_step_and_saturation_by_its_rate(setu
 def test_speed_probe_predicts_each_point_and_centres_the_bracket_at_the_speed_the_host_runs(setup, tmp_path,
                                                                                              monkeypatch, capsys):
     """A host that runs every step 10% faster than when it was calibrated. With --speed-probe, a probe before each
-    point (the card's requests, a full batch at a time) reads that speed from the server's step trace: each point is
-    also predicted at it, exactly here, and the bracket is centred on the draw's SLO-max at it, so a server that runs
-    as simulated at its own speed passes the bracket. Without the probe, the same server is read against the
-    calibration's speed. Model-free: bench is replaced by the simulator at the host's speed, and a trace of its
-    steps."""
+    point (the card's requests, a full batch at a time) reads that speed from the server's step trace, by the
+    median step, whatever one stalled step did: each point is also predicted at it, exactly here, and the bracket
+    is centred on the draw's SLO-max at it, so a server that runs as simulated at its own speed passes the
+    bracket. Without the probe, the same server is read against the calibration's speed; against a profile whose
+    own probes ran as fast, the host has not moved. Model-free: bench is replaced by the simulator at the host's
+    speed, and a trace of its steps."""
     from inferlab.engine.step_trace import BatchShape
     from inferlab.lab import simulate_cli
     from inferlab.lab.step_cost import shape_features
@@ -567,10 +568,12 @@ def test_speed_probe_predicts_each_point_and_centres_the_bracket_at_the_speed_th
             if probe:
                 probes.append((probe, probe_users))
                 t0 = t
-                for k in range(20):  # the probe's steps, at the host's speed; then the server idles
+                # the probe's steps, at the host's speed but one stalled (the speed is their median, not their
+                # total); then the server idles
+                for k in range(20):
                     row = {"t": t, "busy": k < 19, "p": [[0, 64, True]] if k % 5 == 0 else [], "d": 1 + k % 4,
                            "da": 100 * (1 + k % 4)}
-                    row["dt"] = host.time(shape_features(BatchShape.from_json(row)))
+                    row["dt"] = host.time(shape_features(BatchShape.from_json(row))) * (3.0 if k == 7 else 1.0)
                     rows.append(row)
                     t += row["dt"]
                 window = (t0, t - 1e-9)
@@ -588,7 +591,7 @@ def test_speed_probe_predicts_each_point_and_centres_the_bracket_at_the_speed_th
     verdicts = {}
     # A profile whose own calibration probes ran as fast: the probe reads 0.9, but the host is where it was.
     same = StepCost.load(profile)
-    same.speed_reference = {"time_ratio": 0.9, "steps": 40, "requests": 8, "users": 4}
+    same.speed_reference = {"ratio": 0.9, "time_ratio": 0.9, "steps": 40, "requests": 8, "users": 4}
     same_path = same.save(tmp_path / "same.json")
     for n, prof in ((0, profile), (8, profile), ("same", same_path)):
         out = tmp_path / f"val-{n}.json"
@@ -688,4 +691,5 @@ def test_calibrate_served_keeps_its_speed_probes_as_the_reference(setup, tmp_pat
     got = StepCost.load(out)
     assert got.speed_reference["requests"] == 12 and got.speed_reference["users"] == 3
     assert got.speed_reference["steps"] == 80
+    assert got.speed_reference["ratio"] == pytest.approx(0.95, abs=0.02)
     assert got.speed_reference["time_ratio"] == pytest.approx(0.95, abs=0.02)

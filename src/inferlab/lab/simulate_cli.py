@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             q.add_argument("--speed-probe", type=int, default=0, metavar="REQUESTS",
                            help="before each point, serve this many of the card's requests a full batch at a time "
                                 "and predict the point also with the profile stretched to the speed those steps ran "
-                                "(the card's inferlab server, started here); the bracket (--max-rate-within) is then "
+                                "(their median, against the calibration's own probes; the card's inferlab server, "
+                                "started here); the bracket (--max-rate-within) is then "
                                 "centred at that speed. On a shared host whose speed moves 5-8%% in ten minutes, "
                                 "this tells the model's error from the host's before the point, not after it")
             q.add_argument("--leave-one-out", action="store_true",
@@ -218,8 +219,8 @@ def _calibrate_served(args, command: str):
     windows = [m["probe_window"] for _, _, m in points if m.get("probe_window")]
     if windows:
         r = step_time_ratio(cost, read_step_trace(trace)[1], windows=windows)
-        cost.speed_reference = {"time_ratio": r["time_ratio"], "steps": r["steps"], "requests": args.speed_probe,
-                                "users": users}
+        cost.speed_reference = {"ratio": r["ratio"], "time_ratio": r["time_ratio"], "steps": r["steps"],
+                                "requests": args.speed_probe, "users": users}
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
                           f"after the card's load, {len(probed)} in all (depth_probe.py)")
@@ -515,18 +516,19 @@ def _validate(args) -> int:
         raise ValueError(f"--speed-probe {args.speed_probe}: give a number of requests, for the card's inferlab server "
                          f"started here (the probe's speed is read from its step trace)")
 
-    reference = sc.cost.speed_reference.get("time_ratio") or 1.0
+    reference = sc.cost.speed_reference.get("ratio") or 1.0
     if args.speed_probe and sc.cost.speed_reference.get("requests") not in (None, args.speed_probe):
         print(f"note: the calibration's speed probes served {sc.cost.speed_reference['requests']} requests each, "
               f"these {args.speed_probe}: the two are read against each other all the same", file=sys.stderr)
 
     def probed(cost, window) -> dict:
         """How a probe's steps ran against a profile (step_time_ratio over its window), and the host's speed that
-        says: against the calibration's own probes where the profile has them. A probe right after a load runs
-        other steps than the load does (a full batch, closed loop); read against a probe of the same kind, what
-        is left is the host."""
+        says: their median, against the calibration's own probes' where the profile has them. The median, not the
+        total: ten seconds hold too few stalls to stand for the point's (one stall moved a probe's total 3%), and
+        the simulation draws the profile's stalls anyway. Against probes of the same kind (a full batch, closed
+        loop, right after a load), what is left is the host."""
         r = step_time_ratio(cost, read_step_trace(trace)[1], windows=[window])
-        return {**r, "speed": (measured_speed(r) or reference) / reference}
+        return {**r, "speed": (r["ratio"] or reference) / reference}
 
     loads: list = [LoadPoint(r, args.requests, sc.card.traffic.seed + i) for i, r in enumerate(rates)]
     resolved: dict[int, LoadPoint] = {}
@@ -591,7 +593,7 @@ def _validate(args) -> int:
             r = probed(sc.cost, measured["probe_window"])
             again = capacity.simulate(replace(sc, cost=cost.stretched(r["speed"]), shape=shape, card=card_k,
                                               arrival=arrival, requests=lp.requests), rate=rate)
-            point["at_probed_speed"] = {"ratio": r["speed"], "probe_ratio": measured_speed(r), "reference": reference,
+            point["at_probed_speed"] = {"ratio": r["speed"], "probe_ratio": r["ratio"], "reference": reference,
                                         "steps": r["steps"], **compare(measured, again),
                                         "meets_predicted": capacity.meets(sc.card, again)}
         out["points"].append(point)
