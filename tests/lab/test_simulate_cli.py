@@ -221,10 +221,6 @@ def test_bad_input_is_named(setup, capsys):
     assert "--leave-one-out needs at least two rates" in capsys.readouterr().err
     assert main(["simulate", "calibrate", "served", str(card), "--rates", "1", "--depth-probe", "-1"]) == 2
     assert "--depth-probe -1: give a prompt length in tokens, or 0 for no probe" in capsys.readouterr().err
-    for bad in (["--speed-probe", "-1"], ["--speed-probe", "8", "--base-url", "http://127.0.0.1:9"]):
-        assert main(["simulate", "validate", str(card), "--profile", str(profile), "--rates", "1", *bad]) == 2
-        assert f"--speed-probe {bad[1]}: give a number of requests, for the card's inferlab server started here" \
-            in capsys.readouterr().err
 
 
 def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):
@@ -282,34 +278,6 @@ def test_validate_benches_each_rate_with_its_own_seed(setup, tmp_path):
     assert prompts[0] != prompts[1]  # different draws
 
 
-def test_bench_rates_probes_before_each_point(setup, tmp_path):
-    """With a probe, bench_rates serves the card's requests closed loop before each point, on a draw of its own, and
-    hands the probe's window to a point given as a function of it (validate's bracket). Against `inferlab
-    fake-server`."""
-    from inferlab.lab.simulate_cli import PROBE_SEED, LoadPoint, bench_rates
-
-    card, _, _ = setup
-    _serve_with_fake_server(card)
-    c = load_card(card)
-    seen = []
-
-    def later(window):
-        seen.append(window)
-        return LoadPoint(6.0, 4, c.traffic.seed + 1)
-
-    points = bench_rates(c, [LoadPoint(4.0, 4, c.traffic.seed), later], tmp_path, probe=3, probe_users=2)
-    assert [rate for rate, _, _ in points] == [4.0, 6.0]
-    (_, _, first), (_, _, second) = points
-    assert seen == [second["probe_window"]]
-    assert first["probe_window"][1] <= first["window"][0] <= first["window"][1] <= second["probe_window"][0]
-    for i in (0, 1):
-        results = json.loads(next((tmp_path / f"probe-{i}").rglob("results.json")).read_text())
-        run = results["runs"][0]
-        assert run["load"]["kind"] == "concurrency" and run["load"]["value"] == 2
-        assert run["counts"]["measured"] == 3 and run["counts"]["warmup"] == 0
-        assert results["provenance"]["seed"] == c.traffic.seed + PROBE_SEED + i
-
-
 def test_validate_brackets_the_slo_max_rate_of_the_draw_it_sends(setup, tmp_path):
     """validate simulates the SLO-max rate of one draw of --bracket-requests requests (the seed after the rates'),
     then benches that draw at both bracket rates: the same prompt lengths and arrival gaps, scaled by the rate, in
@@ -363,8 +331,7 @@ def test_a_server_that_runs_as_simulated_passes_the_bracket_on_every_draw(setup,
     c, cost = load_card(card), StepCost.load(profile)
     real_simulate = capacity.simulate
 
-    def perfect_server(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None,
-                       **_):
+    def perfect_server(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None):
         return [(lp.rate, k, {**real_simulate(capacity.Scenario(k, cost, capacity.card_shape(c, cost),
                                                                 requests=lp.requests, arrival=arrival),
                                               rate=lp.rate), "path": None, "window": (0.0, 1.0)})
@@ -403,8 +370,7 @@ def test_leave_one_out_simulates_the_scheduler_the_server_ran(setup, tmp_path, m
                              requests=20)
     real_simulate = capacity.simulate
 
-    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None,
-                         **_):
+    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None):
         rows, points, t = [], [], 0.0
         for lp in loads:
             rate = lp.rate
@@ -463,8 +429,7 @@ def test_validate_says_how_the_servers_steps_ran_against_the_profile(setup, tmp_
                                                      if c != "request_overhead"}})
     base = capacity.Scenario(load_card(card), truth, capacity.card_shape(load_card(card), cost), requests=20)
 
-    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None,
-                         **_):
+    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None):
         assert base_url is None and server_config["step_trace"]  # the trace is on without --leave-one-out
         rows, points, t = [], [], 0.0
         for lp in loads:
@@ -534,162 +499,3 @@ def test_speed_band_moves_light_load_by_the_step_and_saturation_by_its_rate(setu
     assert flood["output_tokens_per_s"]["slower"] == pytest.approx(1 / (1 + SPEED_BAND) - 1, abs=0.003)
     assert flood["ttft p50"]["faster"] == pytest.approx(-SPEED_BAND, abs=0.005)
     assert flood["ttft p50"]["slower"] == pytest.approx(SPEED_BAND, abs=0.005)
-
-
-def test_speed_probe_predicts_each_point_and_centres_the_bracket_at_the_speed_the_host_runs(setup, tmp_path,
-                                                                                             monkeypatch, capsys):
-    """A host that runs every step 10% faster than when it was calibrated. With --speed-probe, a probe before each
-    point (the card's requests, a full batch at a time) reads that speed from the server's step trace, by the
-    median step, whatever one stalled step did: each point is also predicted at it, exactly here, and the bracket
-    is centred on the draw's SLO-max at it, so a server that runs as simulated at its own speed passes the
-    bracket. Without the probe, the same server is read against the calibration's speed; against a profile whose
-    own probes ran as fast, the host has not moved. Model-free: bench is replaced by the simulator at the host's
-    speed, and a trace of its steps."""
-    from inferlab.engine.step_trace import BatchShape
-    from inferlab.lab import simulate_cli
-    from inferlab.lab.step_cost import shape_features
-
-    card, profile, _ = setup
-    c, cost = load_card(card), StepCost.load(profile)
-    host = cost.stretched(0.9)
-    shape = capacity.card_shape(c, cost)
-    header = {"schema": "inferlab.step_trace/1", "model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 100,
-              "max_num_seqs": 4, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
-              "block_size": 16, "num_blocks": 500, "enable_prefix_caching": True}
-    real_simulate = capacity.simulate
-    probes = []
-
-    def host_server(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None,
-                    probe=0, probe_users=4):
-        trace, rows, points, t = Path(server_config["step_trace"]), [], [], 0.0
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        for spec in loads:
-            window = None
-            if probe:
-                probes.append((probe, probe_users))
-                t0 = t
-                # the probe's steps, at the host's speed but one stalled (the speed is their median, not their
-                # total); then the server idles
-                for k in range(20):
-                    row = {"t": t, "busy": k < 19, "p": [[0, 64, True]] if k % 5 == 0 else [], "d": 1 + k % 4,
-                           "da": 100 * (1 + k % 4)}
-                    row["dt"] = host.time(shape_features(BatchShape.from_json(row))) * (3.0 if k == 7 else 1.0)
-                    rows.append(row)
-                    t += row["dt"]
-                window = (t0, t - 1e-9)
-                trace.write_text("\n".join(json.dumps(r) for r in [header, *rows]) + "\n")
-            lp = spec(window) if callable(spec) else spec
-            card_k = replace(card_, traffic=replace(card_.traffic, seed=lp.seed))
-            run = real_simulate(capacity.Scenario(card_k, host, shape, requests=lp.requests, arrival=arrival),
-                                rate=lp.rate)
-            points.append((lp.rate, card_k, {**run, "path": None, "window": (t, t + 1.0), "probe_window": window}))
-            t += 2.0
-        trace.write_text("\n".join(json.dumps(r) for r in [header, *rows]) + "\n")
-        return points
-
-    monkeypatch.setattr(simulate_cli, "bench_rates", host_server)
-    verdicts = {}
-    # A profile whose own calibration probes ran as fast: the probe reads 0.9, but the host is where it was.
-    same = StepCost.load(profile)
-    same.speed_reference = {"ratio": 0.9, "time_ratio": 0.9, "steps": 40, "requests": 8, "users": 4}
-    same_path = same.save(tmp_path / "same.json")
-    for n, prof in ((0, profile), (8, profile), ("same", same_path)):
-        out = tmp_path / f"val-{n}.json"
-        assert main(["simulate", "validate", str(card), "--profile", str(prof), "--rates", "2", "--requests", "20",
-                     "--max-rate-within", "0.15", "--bracket-requests", "40", "--search-requests", "200",
-                     "--speed-probe", "0" if n == 0 else "8", "--output-dir", str(tmp_path / f"runs-{n}"),
-                     "--json", str(out)]) == 0
-        d = json.loads(out.read_text())
-        verdicts[n] = d["max_rate"]
-        if n == "same":
-            assert all(p["at_probed_speed"]["probe_ratio"] == pytest.approx(0.9) and
-                       p["at_probed_speed"]["ratio"] == pytest.approx(1.0) for p in d["points"])
-        elif n:
-            for p in d["points"]:
-                probed = p["at_probed_speed"]
-                assert probed["ratio"] == pytest.approx(0.9) and probed["steps"] == 20
-                assert all(m["rel_error"] == pytest.approx(0, abs=1e-9) for m in probed["metrics"]
-                           if m["rel_error"] is not None)
-        else:
-            assert all("at_probed_speed" not in p for p in d["points"])
-    assert probes == [(8, 4)] * 6  # before each point; a full batch is the card's 4 sequences
-    draw = replace(c, traffic=replace(c.traffic, seed=c.traffic.seed + 1))
-    sc = capacity.Scenario(draw, cost, shape, requests=40)
-    assert verdicts[8]["centred_at_speed"] == pytest.approx(0.9)
-    assert verdicts[8]["predicted"] == pytest.approx(capacity.max_rate(replace(sc, cost=host)).rate)
-    assert verdicts[8]["profile_speed_predicted"] == pytest.approx(capacity.max_rate(sc).rate)
-    assert verdicts[0]["predicted"] == verdicts[8]["profile_speed_predicted"]
-    assert verdicts[8]["within"] and not verdicts[0]["within"]
-    assert verdicts["same"]["centred_at_speed"] == pytest.approx(1.0)
-    assert verdicts["same"]["predicted"] == pytest.approx(verdicts[0]["predicted"])
-    assert "the bracket is centred at the speed probed before it (steps x0.900" in capsys.readouterr().out
-
-
-def test_calibrate_served_keeps_its_speed_probes_as_the_reference(setup, tmp_path, monkeypatch):
-    """calibrate served probes before each rate, a full batch of the server as its trace header says, and keeps how
-    the probes' steps ran against the fitted profile: here they ran 5% faster than the load's steps (as a short
-    burst after a load can), so the reference reads ~0.95 and a validate probe that reads 0.95 is the same host.
-    Model-free: the server and bench are replaced by a trace of known steps."""
-    import contextlib
-
-    from inferlab.engine.step_trace import BatchShape
-    from inferlab.lab import card as card_module
-    from inferlab.lab import simulate_cli
-    from inferlab.lab.step_cost import shape_features
-
-    card, profile, _ = setup
-    c, true = load_card(card), StepCost.load(profile)
-    header = {"schema": "inferlab.step_trace/1", "model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 100,
-              "max_num_seqs": 3, "max_num_batched_tokens": 256, "max_prefill_tokens_with_decodes": None,
-              "block_size": 16, "num_blocks": 500, "enable_prefix_caching": True}
-    trace = tmp_path / "cal" / "steps.jsonl"
-    calls = []
-
-    @contextlib.contextmanager
-    def fake_server(server, config=None, log_path=None):
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        trace.write_text(json.dumps(header) + "\n")  # the engine writes its header as it starts
-        yield type("Srv", (), {"base_url": "http://127.0.0.1:9", "api_key": None})()
-
-    def steps(t, n, speed, rng):
-        rows = []
-        for k in range(n):
-            d = int(rng.integers(1, 4))
-            row = {"t": t, "busy": k < n - 1, "p": [[0, int(rng.integers(16, 200)), True]] if k % 4 == 0 else [],
-                   "d": d, "da": int(d * rng.integers(50, 400))}
-            row["dt"] = speed * true.time(shape_features(BatchShape.from_json(row)))
-            rows.append(row)
-            t += row["dt"]
-        return rows, t
-
-    def fake_bench_rates(card_, loads, out_dir, base_url=None, server_config=None, arrival=None, burstiness=None,
-                         probe=0, probe_users=4):
-        calls.append((probe, probe_users))
-        rng, t, rows, points = np.random.default_rng(0), 0.0, [], []
-        for lp in loads:
-            probe_rows, t1 = steps(t, 40, 0.95, rng)
-            load_rows, t2 = steps(t1 + 1.0, 300, 1.0, rng)
-            rows += probe_rows + load_rows
-            card_k = replace(card_, traffic=replace(card_.traffic, seed=lp.seed))
-            run = capacity.simulate(capacity.Scenario(card_k, true, capacity.card_shape(c, true),
-                                                      requests=lp.requests), rate=lp.rate)
-            points.append((lp.rate, card_k, {**run, "path": None, "window": (t1 + 1.0, t2),
-                                             "probe_window": (t, t1 - 1e-9)}))
-            t = t2 + 1.0
-        with trace.open("a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rows))
-        return points
-
-    monkeypatch.setattr(card_module, "start_server", fake_server)
-    monkeypatch.setattr(simulate_cli, "bench_rates", fake_bench_rates)
-    monkeypatch.setattr(simulate_cli, "_this_machine", lambda: {"name": "cpu", "bandwidth": 2e10, "flops": 5e11})
-    out = tmp_path / "profile.json"
-    assert main(["simulate", "calibrate", "served", str(card), "--rates", "1,3", "--requests", "20",
-                 "--depth-probe", "0", "--speed-probe", "12", "--output-dir", str(tmp_path / "cal"),
-                 "-o", str(out)]) == 0
-    assert calls == [(12, 3)]
-    got = StepCost.load(out)
-    assert got.speed_reference["requests"] == 12 and got.speed_reference["users"] == 3
-    assert got.speed_reference["steps"] == 80
-    assert got.speed_reference["ratio"] == pytest.approx(0.95, abs=0.02)
-    assert got.speed_reference["time_ratio"] == pytest.approx(0.95, abs=0.02)

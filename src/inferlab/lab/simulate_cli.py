@@ -58,10 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sv.add_argument("--requests", type=int, default=60, help="measured requests per rate")
     sv.add_argument("--output-dir", default="simulate-calibrate", help="bench results and the step trace go here")
     sv.add_argument("-o", "--output", default="step-cost.json")
-    sv.add_argument("--speed-probe", type=int, default=16, metavar="REQUESTS",
-                    help="before each rate, serve this many of the card's requests a full batch at a time; the "
-                         "profile keeps how their steps ran against it, the reference `validate --speed-probe` "
-                         "reads its own probes against (0: none)")
     sv.add_argument("--depth-probe", type=int, default=4096, metavar="TOKENS",
                     help="then serve prompts of 512, 1024, ... up to this many tokens, one at a time, so that the fit "
                          "sees prefill attention deeper than the card's prompts and the profile predicts longer "
@@ -97,13 +93,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             q.add_argument("--bracket-requests", type=int, default=200,
                            help="measured requests in the draw benched at both bracket rates (the same lengths and "
                                 "arrival gaps, scaled by the rate, in different words)")
-            q.add_argument("--speed-probe", type=int, default=0, metavar="REQUESTS",
-                           help="before each point, serve this many of the card's requests a full batch at a time "
-                                "and predict the point also with the profile stretched to the speed those steps ran "
-                                "(their median, against the calibration's own probes; the card's inferlab server, "
-                                "started here); the bracket (--max-rate-within) is then "
-                                "centred at that speed. On a shared host whose speed moves 5-8%% in ten minutes, "
-                                "this tells the model's error from the host's before the point, not after it")
             q.add_argument("--leave-one-out", action="store_true",
                            help="predict each rate from the server's own steps at the other rates (the card's "
                                 "inferlab server, started here with --step-trace) instead of --profile's "
@@ -187,8 +176,7 @@ def _this_machine() -> dict:
 def _calibrate_served(args, command: str):
     """Serve the card's load at each rate with the step trace on (then the depth probe), fit the step cost to the
     trace, then the request overhead to the lowest rate's TTFT (fit_request_overhead)."""
-    from inferlab.engine.step_trace import read_step_trace
-    from inferlab.lab.calibrate import calibrate_served, step_time_ratio
+    from inferlab.lab.calibrate import calibrate_served
     from inferlab.lab.card import load_card, start_server
     from inferlab.lab.depth_probe import probe_depths
 
@@ -198,8 +186,6 @@ def _calibrate_served(args, command: str):
                          f"engine's step trace); for another server use `calibrate bench`")
     if args.depth_probe < 0:
         raise ValueError(f"--depth-probe {args.depth_probe}: give a prompt length in tokens, or 0 for no probe")
-    if args.speed_probe < 0:
-        raise ValueError(f"--speed-probe {args.speed_probe}: give a number of requests, or 0 for no probe")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / "steps.jsonl"
@@ -209,18 +195,11 @@ def _calibrate_served(args, command: str):
                       log_path=out_dir / "server.log") as srv:
         # Seeds apart from validate's (card seed + i): a calibration prompt never sits in the prefix cache of a
         # validation run on the same server, or the other way round.
-        users = read_step_trace(trace)[0]["max_num_seqs"]  # a full batch of the server as it runs
         points = bench_rates(card, [LoadPoint(r, args.requests, card.traffic.seed + 1000 + i)
-                                    for i, r in enumerate(rates)], out_dir, base_url=srv.base_url,
-                             probe=args.speed_probe, probe_users=users)
+                                    for i, r in enumerate(rates)], out_dir, base_url=srv.base_url)
         probed = probe_depths(srv.base_url, args.depth_probe, api_key=srv.api_key,
                               log=lambda m: print(m, file=sys.stderr)) if args.depth_probe else []
     cost = calibrate_served([trace], _this_machine(), command)
-    windows = [m["probe_window"] for _, _, m in points if m.get("probe_window")]
-    if windows:
-        r = step_time_ratio(cost, read_step_trace(trace)[1], windows=windows)
-        cost.speed_reference = {"ratio": r["ratio"], "time_ratio": r["time_ratio"], "steps": r["steps"],
-                                "requests": args.speed_probe, "users": users}
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
                           f"after the card's load, {len(probed)} in all (depth_probe.py)")
@@ -497,68 +476,28 @@ def _validate(args) -> int:
         # on one draw at two rates, only the model (and the host) can put the server on the wrong side.
         draw_seed = sc.card.traffic.seed + len(rates)
         draw_card = replace(sc.card, traffic=replace(sc.card.traffic, seed=draw_seed))
-
-        def draw_bracket(cost) -> tuple[float, float, float]:
-            m = capacity.max_rate(replace(sc, cost=cost, card=draw_card, arrival=arrival,
-                                          requests=args.bracket_requests))
-            if m.rate is None:
-                raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
-            return m.rate, m.rate * (1 - args.max_rate_within), m.rate * (1 + args.max_rate_within)
-
-        bracket = profile_bracket = draw_bracket(sc.cost)
+        m = capacity.max_rate(replace(sc, card=draw_card, arrival=arrival, requests=args.bracket_requests))
+        if m.rate is None:
+            raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
+        bracket = (m.rate, m.rate * (1 - args.max_rate_within), m.rate * (1 + args.max_rate_within))
     if not rates and bracket is None:
         raise ValueError("validate needs --rates (requests/s the calibration did not use) or --max-rate-within")
+    loads = [LoadPoint(r, args.requests, sc.card.traffic.seed + i) for i, r in enumerate(rates)]
+    if bracket is not None:  # one draw in two texts, so the second point finds nothing of the first in the cache
+        loads += [LoadPoint(round(bracket[1], 4), args.bracket_requests, draw_seed, text_seed=1),
+                  LoadPoint(round(bracket[2], 4), args.bracket_requests, draw_seed, text_seed=2)]
+    out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url,
+           "leave_one_out": args.leave_one_out, "points": []}
+    if args.leave_one_out and (args.base_url or sc.card.server.kind != "inferlab" or len(loads) < 2):
+        raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
+                         "(it reads the server's step trace)")
     # An inferlab server started here always writes its step trace: besides leave-one-out, it tells whether the
     # server's steps ran as the profile says (a stale profile) when a prediction misses.
     trace = Path(args.output_dir) / "steps.jsonl" if args.base_url is None and sc.card.server.kind == "inferlab" \
         else None
-    if args.speed_probe < 0 or (args.speed_probe and trace is None):
-        raise ValueError(f"--speed-probe {args.speed_probe}: give a number of requests, for the card's inferlab server "
-                         f"started here (the probe's speed is read from its step trace)")
-
-    reference = sc.cost.speed_reference.get("ratio") or 1.0
-    if args.speed_probe and sc.cost.speed_reference.get("requests") not in (None, args.speed_probe):
-        print(f"note: the calibration's speed probes served {sc.cost.speed_reference['requests']} requests each, "
-              f"these {args.speed_probe}: the two are read against each other all the same", file=sys.stderr)
-
-    def probed(cost, window) -> dict:
-        """How a probe's steps ran against a profile (step_time_ratio over its window), and the host's speed that
-        says: their median, against the calibration's own probes' where the profile has them. The median, not the
-        total: ten seconds hold too few stalls to stand for the point's (one stall moved a probe's total 3%), and
-        the simulation draws the profile's stalls anyway. Against probes of the same kind (a full batch, closed
-        loop, right after a load), what is left is the host."""
-        r = step_time_ratio(cost, read_step_trace(trace)[1], windows=[window])
-        return {**r, "speed": (r["ratio"] or reference) / reference}
-
-    loads: list = [LoadPoint(r, args.requests, sc.card.traffic.seed + i) for i, r in enumerate(rates)]
-    resolved: dict[int, LoadPoint] = {}
-    centred: dict[str, float] = {}  # the speed probed before the first bracket point, which centred the bracket
-    if bracket is not None:  # one draw in two texts, so the second point finds nothing of the first in the cache
-        if args.speed_probe:
-            def bracket_point(side: int):
-                def at_probed_speed(window) -> LoadPoint:
-                    nonlocal bracket
-                    if not centred:  # the first bracket point's probe centres both
-                        centred["speed"] = probed(sc.cost, window)["speed"]
-                        bracket = draw_bracket(sc.cost.stretched(centred["speed"]))
-                    resolved[len(rates) + side - 1] = lp = LoadPoint(round(bracket[side], 4),
-                                                                     args.bracket_requests, draw_seed, text_seed=side)
-                    return lp
-                return at_probed_speed
-            loads += [bracket_point(1), bracket_point(2)]
-        else:
-            loads += [LoadPoint(round(bracket[1], 4), args.bracket_requests, draw_seed, text_seed=1),
-                      LoadPoint(round(bracket[2], 4), args.bracket_requests, draw_seed, text_seed=2)]
-    out = {"card": sc.card.name, "profile": args.profile, "base_url": args.base_url,
-           "leave_one_out": args.leave_one_out, "speed_probe": args.speed_probe, "points": []}
-    if args.leave_one_out and (args.base_url or sc.card.server.kind != "inferlab" or len(loads) < 2):
-        raise ValueError("--leave-one-out needs at least two rates and the card's inferlab server started here "
-                         "(it reads the server's step trace)")
     points = bench_rates(sc.card, loads, Path(args.output_dir), base_url=args.base_url, arrival=arrival,
                          burstiness=args.burstiness,
-                         server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)},
-                         probe=args.speed_probe, probe_users=sc.shape.max_num_seqs)
-    loads = [resolved.get(i, spec) for i, spec in enumerate(loads)]
+                         server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
     steps = read_step_trace(trace)[1] if trace is not None else None
     for i, ((rate, card_k, measured), lp) in enumerate(zip(points, loads)):
         cost, shape = sc.cost, sc.shape
@@ -589,13 +528,6 @@ def _validate(args) -> int:
                                                   requests=lp.requests), rate=rate)
                 point["at_measured_speed"] = {"ratio": measured_speed(r), **compare(measured, again),
                                               "meets_predicted": capacity.meets(sc.card, again)}
-        if measured.get("probe_window"):
-            r = probed(sc.cost, measured["probe_window"])
-            again = capacity.simulate(replace(sc, cost=cost.stretched(r["speed"]), shape=shape, card=card_k,
-                                              arrival=arrival, requests=lp.requests), rate=rate)
-            point["at_probed_speed"] = {"ratio": r["speed"], "probe_ratio": r["ratio"], "reference": reference,
-                                        "steps": r["steps"], **compare(measured, again),
-                                        "meets_predicted": capacity.meets(sc.card, again)}
         out["points"].append(point)
     print_validation(out["points"])
     print_speed_bands(out["points"])
@@ -603,15 +535,10 @@ def _validate(args) -> int:
         print_step_drift(out["points"])
     if bracket is not None:
         out["max_rate"] = {**max_rate_verdict(bracket, args.max_rate_within, out["points"]),
-                           "profile_speed_predicted": profile_bracket[0],
                            "draw": {"seed": draw_seed, "requests": args.bracket_requests},
                            "load_predicted": load_max.rate, "load_search_requests": args.search_requests}
         load = "none" if load_max.rate is None else f"{load_max.rate:.3g} req/s"
         print(f"the load's SLO-max rate (searched on {args.search_requests:,} simulated requests a point): {load}")
-        if centred:
-            out["max_rate"]["centred_at_speed"] = centred["speed"]
-            print(f"the bracket is centred at the speed probed before it (steps x{centred['speed']:.3f} the "
-                  f"profile's; at the profile's speed the draw's SLO-max is {profile_bracket[0]:.3g} req/s)")
         print(out["max_rate"]["verdict"])
         for p in out["points"][-2:]:
             if near := p["nearest_objective"]:
@@ -634,18 +561,11 @@ class LoadPoint:
     text_seed: int | None = None  # bench --text-seed: the seed's lengths and arrival times in other words
 
 
-PROBE_SEED = 2000  # a speed probe's draw: card seed + this + the point's index (calibrate's are + 1000)
-
-
-def bench_rates(card, loads: list, out_dir: Path, base_url: str | None = None,
+def bench_rates(card, loads: list[LoadPoint], out_dir: Path, base_url: str | None = None,
                 server_config: dict | None = None, arrival: str | None = None,
-                burstiness: float | None = None, probe: int = 0,
-                probe_users: int = 4) -> list[tuple[float, object, dict]]:
+                burstiness: float | None = None) -> list[tuple[float, object, dict]]:
     """`inferlab bench` at each load point against one server (the card's, started here, unless base_url):
-    (rate, the card as run, its measured run). With `probe` > 0, each point follows a speed probe: `probe` of the
-    card's requests, closed loop at `probe_users` (a full batch), whose (start, end) is the run's "probe_window". A
-    load may then be a function of that window, returning its LoadPoint (validate's bracket, centred at the speed
-    the probe ran)."""
+    (rate, the card as run, its measured run)."""
     import asyncio
     import time
 
@@ -662,18 +582,7 @@ def bench_rates(card, loads: list, out_dir: Path, base_url: str | None = None,
     arrival = arrival or card.traffic.open_loop_arrival
     points = []
     try:
-        for i, spec in enumerate(loads):
-            probe_window = None
-            if probe > 0:
-                probe_card = replace(card, traffic=replace(card.traffic, seed=card.traffic.seed + PROBE_SEED + i))
-                cfg = to_bench_config(probe_card, base_url=base_url, output_dir=out_dir / f"probe-{i}")
-                cfg.loads = [Load("concurrency", probe_users)]
-                cfg.num_requests, cfg.duration, cfg.warmup = probe, None, 0
-                print(f"speed probe: {probe} requests, {probe_users} at a time ...", file=sys.stderr)
-                t0 = time.perf_counter()
-                asyncio.run(Benchmark(cfg).run())
-                probe_window = (t0, time.perf_counter())
-            lp = spec(probe_window) if callable(spec) else spec
+        for lp in loads:
             rate = lp.rate
             card_k = replace(card, traffic=replace(card.traffic, seed=lp.seed))
             cfg = to_bench_config(card_k, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
@@ -685,8 +594,7 @@ def bench_rates(card, loads: list, out_dir: Path, base_url: str | None = None,
                   file=sys.stderr)
             t0 = time.perf_counter()  # the clock a step trace stamps steps with (CLOCK_MONOTONIC)
             outcome = asyncio.run(Benchmark(cfg).run())
-            measured = {**outcome.results["runs"][0], "path": str(outcome.path), "window": (t0, time.perf_counter()),
-                        "probe_window": probe_window}
+            measured = {**outcome.results["runs"][0], "path": str(outcome.path), "window": (t0, time.perf_counter())}
             points.append((rate, card_k, measured))
             if outcome.interrupted:
                 break
@@ -781,18 +689,11 @@ def print_step_drift(points: list[dict]) -> None:
         print(f"{p['rate']:g} req/s: the server's steps ran x{r['ratio']:.2f} the profile's time (median of "
               f"{r['steps']}; {kinds}{total})" + (f" - {warning}" if warning else ""))
         if again := p.get("at_measured_speed"):
-            print(f"    at that speed the simulation gives {_errors_and_verdict(again, p)}")
-        if probe := p.get("at_probed_speed"):
-            print(f"    the probe before it ran x{probe['probe_ratio']:.3f} ({probe['steps']} steps; the calibration's "
-                  f"x{probe['reference']:.3f}): the host at x{probe['ratio']:.3f}, where the simulation gives "
-                  f"{_errors_and_verdict(probe, p)}")
-
-
-def _errors_and_verdict(again: dict, p: dict) -> str:
-    errors = ", ".join(f"{m['metric']} {m['rel_error']:+.0%}" for m in again["metrics"]
-                       if m["metric"] in SPEED_METRICS and m["rel_error"] is not None)
-    yes = {True: "yes", False: "no"}
-    return f"{errors}; meets the card: {yes[again['meets_predicted']]} (measured: {yes[p['meets_measured']]})"
+            errors = ", ".join(f"{m['metric']} {m['rel_error']:+.0%}" for m in again["metrics"]
+                               if m["metric"] in SPEED_METRICS and m["rel_error"] is not None)
+            yes = {True: "yes", False: "no"}
+            print(f"    at that speed the simulation gives {errors}; meets the card: "
+                  f"{yes[again['meets_predicted']]} (measured: {yes[p['meets_measured']]})")
 
 
 def _margin(check) -> float | None:

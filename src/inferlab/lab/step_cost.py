@@ -124,10 +124,6 @@ class StepCost:
     # Quantiles of measured / predicted step time over the calibration's steps: the simulator multiplies each step's
     # cost by a draw from them (empty: every step costs exactly its prediction).
     step_noise: list[float] = field(default_factory=list)
-    # The speed probe served right before each calibration rate (validate --speed-probe's, same size): how its
-    # steps ran against this profile (step_time_ratio's median "ratio" and total "time_ratio"), requests, users. A
-    # probe in validate is read against it.
-    speed_reference: dict = field(default_factory=dict)
     source: str = ""  # how it was calibrated: "engine profile" | "black-box bench" | "synthetic" | "scaled ..."
     command: str = ""  # the command that made it
     # The scheduler settings the calibrated server ran with; the simulator uses them unless told otherwise.
