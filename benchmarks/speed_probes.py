@@ -6,7 +6,7 @@ only, seconds.
     python benchmarks/speed_probes.py --profile profile.json simulate-validate
 
 On the short card (docs/benchmarks.md, issue 20, 2026-12-04 17:24-18:16) it showed ten-second probes reading the
-host -8% to +7% off the speed of the point that followed them, and a calibration probe whose stalls (a quarter
+host -6% to +7% off the speed of the point that followed them, and a calibration probe whose stalls (a quarter
 at x1.12) moved its total 3% and not its median.
 """
 

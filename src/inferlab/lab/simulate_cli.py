@@ -655,7 +655,7 @@ def speed_band(simulate_at, predicted: dict) -> dict:
     """What a host SPEED_BAND faster or slower than the profile would do to a point's prediction: per metric, the
     relative change each way. `simulate_at(k)` simulates the point with every step k times as long. Light load
     barely moves; near saturation a queue amplifies the host: on the short card at 1.54 req/s, TTFT p50 moves
-    ~5% for each 1% of step time, so a prediction there is only as good as the host's speed stays."""
+    4-5% for each 1% of step time, so a prediction there is only as good as the host's speed stays."""
     out: dict[str, dict[str, float | None]] = {}
     for side, k in (("faster", 1 - SPEED_BAND), ("slower", 1 + SPEED_BAND)):
         for m in compare(predicted, simulate_at(k))["metrics"]:
