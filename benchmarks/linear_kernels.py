@@ -14,11 +14,18 @@ the int4 bytes it reads (nibbles and fp16 scales and minimums: 20 bytes a group 
 w8a8`'s kernel (kernels/w8a8_gemm.cpp: int8 weights, activations rounded to int8 per 32) on the same shapes, and
 the weight-only int8 kernel the int8 mode uses for small steps (up to 64 rows); their GB/s count the int8 bytes. A
 last line times the int8 LM head the int4 mode keeps (49152 x 576, inferlab's int8 kernel) at one token.
+
+`--against REV` times instead this tree's packed kernels (bf16 and w8a8) against git revision REV's (built beside
+them from `git archive`), pass by pass alternately, for every --rows, then the bf16 LM head (49152 x 576, fp32
+logits) at one row; it checks the two give the same bits.
+
+    python benchmarks/linear_kernels.py --against 7e1d74a --rows 1 2 4 8 16 64
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -46,7 +53,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 512])
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--against", metavar="REV", help="time this tree's packed kernels against git revision REV's")
+    ap.add_argument("--passes", type=int, default=30, help="with --against: passes a side")
     args = ap.parse_args()
+    if args.against:
+        against(args.against, args.rows, args.layers, args.passes)
+        return
     g = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=g).bfloat16() for o, i in SHAPES] for _ in range(args.layers)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
@@ -115,6 +127,52 @@ def main() -> None:
         x = torch.randn(1, 576, generator=g).bfloat16()
         t = best_of(lambda: kernels.int8_linear(x, head, scale))
         print(f"int8 LM head 49152 x 576, 1 token: {t * 1e3:.3f} ms, {head.numel() / t / 1e9:.1f} GB/s", flush=True)
+
+
+def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
+    from decode_attention import kernels_at
+
+    from inferlab.bench.machine import MachineSampler
+
+    kernels, base = gemv_kernels(), kernels_at(rev)
+    if kernels is None:
+        raise SystemExit("the packed kernels need AVX-512 with BF16 on this machine")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=g).bfloat16() for _ in range(layers) for o, i in SHAPES]
+    bf16 = [(pack_bf16(w), w.shape[0]) for w in weights]
+    w8 = [(pack_w8a8(q), s, q.shape[0]) for q, s in map(quantize_int8, weights)]
+    head = pack_bf16(torch.randn(49152, 576, generator=g).bfloat16())
+    cases = {
+        "bf16": lambda m, xs: [m.packed_linear(xs[p.shape[1] * 2], p, n, False) for p, n in bf16],
+        "w8a8": lambda m, xs: [m.w8a8_linear(xs[p.shape[1] * 4], p, s, n) for p, s, n in w8],
+    }
+    print(f"{torch.get_num_threads()} threads; {layers} layers' matmuls a pass (SmolLM2-135M's shapes); median of "
+          f"{passes} passes; this tree against {rev}")
+    print(f"| kernel | rows | this tree ms | {rev} ms | {rev} / this tree |")
+    print("|---|---|---|---|---|")
+    machine = MachineSampler()
+    machine.start()
+
+    def compare(kernel: str, m: int, run) -> None:
+        ours, theirs = run(kernels), run(base)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"{kernel} at {m} rows: outputs differ from {rev}"
+        times: dict[str, list[float]] = {"this": [], "base": []}
+        for i in range(passes):
+            for name, mod in (("this", kernels), ("base", base))[::1 if i % 2 else -1]:
+                t = time.perf_counter()
+                run(mod)
+                times[name].append(time.perf_counter() - t)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(f"| {kernel} | {m} | {ms['this']:.2f} | {ms['base']:.2f} | {ms['base'] / ms['this']:.2f}x |", flush=True)
+
+    for m in rows:
+        xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}
+        for kernel, call in cases.items():
+            compare(kernel, m, lambda mod: call(mod, xs))
+    x = torch.randn(1, 576, generator=g).bfloat16()
+    compare("bf16 LM head, fp32 out", 1, lambda mod: [mod.packed_linear(x, head, 49152, True)])
+    share = machine.stop()["foreign_cpu_share"]
+    print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
 
 
 if __name__ == "__main__":

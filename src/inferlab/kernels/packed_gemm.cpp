@@ -10,6 +10,11 @@
 // x 30 layers against oneDNN's own packed bf16 GEMM in the same run): 1 token 7.5 vs 11.8 ms, 16 tokens 13.8 vs
 // 14.9, 64 tokens 36.4 vs 39.3, 512 tokens 261 vs 286; and level with the plain-layout gemv it replaced at 1-4
 // tokens (a prototype run: 7.6-9.3 ms both).
+//
+// No software prefetch: a tile's weights are two contiguous runs of 64-byte lines, which the hardware prefetcher
+// follows. Each tile used to ask for all of its weights first (36-98 KiB, more than L1, so the early lines were
+// evicted before use and the requests queued ahead of the loads); dropping that took the 30 layers from 8.5 to 7.2
+// ms at 1 token, 12.3 to 10.1 at 8, 39.9 to 37.4 at 64 (`python benchmarks/linear_kernels.py --against 7e1d74a`).
 
 #include "cpu_common.h"
 
@@ -80,9 +85,6 @@ void run(const at::BFloat16* xp, const torch::Tensor& packed, Out* yp, int64_t M
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * kTileBlocks, nb = std::min(kTileBlocks, blocks - b0);
-      // Ask for the whole tile first: the loop does little work per line, so without this few loads are in flight.
-      const char* first = reinterpret_cast<const char*>(w + b0 * block_elems);
-      for (int64_t off = 0; off < nb * block_elems * 2; off += 64) __builtin_prefetch(first + off, 0, 3);
       const __mmask16 last = b0 + nb == blocks ? tail : 0xFFFF;
       if (nb == kTileBlocks) {
         tile_rows<kTileBlocks, Out>(xp, M, K, w + b0 * block_elems, block_elems, yp + b0 * kBlock, N, last);
