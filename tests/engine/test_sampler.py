@@ -3,6 +3,7 @@ computed independently here in float64."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -59,6 +60,47 @@ def test_seeded_rows_draw_the_same_whatever_shares_the_batch():
     alone = Sampler()(logits[:1], params[:1], gens(1))
     together = Sampler()(logits, params, gens(8))
     assert alone[0] == together[0]
+
+
+def test_the_cpu_kernel_inverts_the_same_cdf_at_the_same_u():
+    """kernels/sampling.cpp against the torch path (sampling_probs, then sample_from) given the same u, on
+    SmolLM2's vocabulary size, over temperatures, greedy rows and grammar-style masks: each draw is the token whose
+    interval of the torch path's CDF holds (1 - u) * total, up to the two paths' fp32 rounding of the cumulative
+    mass (so a draw may be a neighbour when the target falls within ~1e-6 of an edge); masked tokens are never
+    drawn; a row with no finite logit gives -1 and one with a NaN or +inf logit -2 (the Sampler's torch path)."""
+    from inferlab.engine.sampler import UNSETTLED, sampling_probs
+    from inferlab.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("inferlab's CPU kernels are not built here")
+    g = torch.Generator().manual_seed(0)
+    n, V = 300, 49_152
+    logits = torch.randn(n, V, generator=g) * 4
+    logits[::3, ::2] = float("-inf")
+    temps = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 3.0])[torch.arange(n) % 6]
+    u = torch.rand(n, generator=g)
+    drawn = kernels.sample_rows(logits, temps, u)
+
+    greedy = temps == 0
+    assert torch.equal(drawn[greedy], logits[greedy].argmax(-1))
+    params = [SamplingParams(temperature=t) for t in temps[~greedy].tolist()]
+    probs = sampling_probs(logits[~greedy], params).double()
+    cdf = probs.cumsum(-1)
+    target = (1 - u[~greedy].double()) * cdf[:, -1]
+    tok = drawn[~greedy]
+    before = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    upto = cdf.gather(1, tok.unsqueeze(1)).squeeze(1)
+    assert ((before <= target + 1e-6) & (target <= upto + 1e-6)).all()
+    assert (probs.gather(1, tok.unsqueeze(1)) > 0).all() and torch.isfinite(logits[~greedy].gather(1, tok.unsqueeze(1))).all()
+    torch_draws = sample_from(sampling_probs(logits[~greedy], params), [None] * len(params), u[~greedy].clone())
+    assert (torch_draws == tok).float().mean() > 0.98
+
+    odd = torch.zeros(3, 8)
+    odd[0] = float("-inf")
+    odd[1, 3] = float("nan")
+    odd[2, 5] = float("inf")
+    assert kernels.sample_rows(odd, torch.ones(3), torch.full((3,), 0.5)).tolist() == [-1, UNSETTLED, UNSETTLED]
 
 
 def test_greedy_and_sampled_rows_mix():

@@ -17,7 +17,7 @@ import torch
 log = logging.getLogger("inferlab.engine")
 
 _SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_elementwise.cpp", "rotary_kv_write.cpp", "gemv.cpp",
-            "packed_gemm.cpp", "w8a8_gemm.cpp", "decode_layers.cpp")
+            "packed_gemm.cpp", "w8a8_gemm.cpp", "decode_layers.cpp", "sampling.cpp")
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (it joins torch's own libgomp, same
 # soname). -fassociative-math and friends let the compiler vectorise the fp32 dot products and sums (a fixed
 # order per build: results stay deterministic); no -ffast-math, so exp and infinities keep their IEEE meaning.

@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear,
         "x @ (q * scale).T for int8 weights in inferlab's W8A8 layout, activations rounded to int8 per 32 (CPU)",
         nogil);
+  m.def("sample_rows", &sample_rows,
+        "one token a row from softmax(logits / T) by inverting the CDF at 1 - u; T = 0 greedy (CPU)", nogil);
   pybind11::enum_<ProjKind>(m, "ProjKind", pybind11::module_local())
       .value("PACKED", ProjKind::PACKED)
       .value("INT8", ProjKind::INT8)

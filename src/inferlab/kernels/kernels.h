@@ -20,3 +20,4 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
                           int64_t group_size);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bool fp32_out);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N);
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor u);
