@@ -16,8 +16,6 @@ import torch
 
 log = logging.getLogger("inferlab.engine")
 
-_SOURCES = ("bindings.cpp", "paged_decode_attention.cpp", "fused_elementwise.cpp", "rotary_kv_write.cpp", "gemv.cpp",
-            "packed_gemm.cpp", "w8a8_gemm.cpp", "decode_layers.cpp", "sampling.cpp")
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (it joins torch's own libgomp, same
 # soname). -fassociative-math and friends let the compiler vectorise the fp32 dot products and sums (a fixed
 # order per build: results stay deterministic); no -ffast-math, so exp and infinities keep their IEEE meaning.
@@ -39,11 +37,11 @@ def cpu_kernels():
 
 
 def build_kernels(source_dir: Path, name: str):
-    """The module compiled from the sources in source_dir, loaded as `name` (benchmarks build an earlier revision's
-    beside this one's, to time both in one process)."""
+    """The module compiled from every .cpp in source_dir, loaded as `name` (benchmarks build an earlier revision's
+    beside this one's, to time both in one process: its own files, not this tree's list)."""
     from torch.utils.cpp_extension import load
 
-    return load(name=name, sources=[str(source_dir / f) for f in _SOURCES], extra_cflags=_CFLAGS,
+    return load(name=name, sources=sorted(str(f) for f in source_dir.glob("*.cpp")), extra_cflags=_CFLAGS,
                 extra_ldflags=["-fopenmp"], verbose=False)
 
 
