@@ -13,8 +13,9 @@
 //
 // No software prefetch: a tile's weights are two contiguous runs of 64-byte lines, which the hardware prefetcher
 // follows. Each tile used to ask for all of its weights first (36-98 KiB, more than L1, so the early lines were
-// evicted before use and the requests queued ahead of the loads); dropping that took the 30 layers from 8.5 to 7.2
-// ms at 1 token, 12.3 to 10.1 at 8, 39.9 to 37.4 at 64 (`python benchmarks/linear_kernels.py --against 7e1d74a`).
+// evicted before use and the requests queued ahead of the loads). Dropping that made the 30 layers 1.06-1.12x
+// faster at 1 token in three runs, 0.93-1.26x at 2-16 (the host's swing), and the LM head 1.11-1.32x
+// (`python benchmarks/linear_kernels.py --against 7e1d74a`; docs/benchmarks.md, round 11).
 
 #include "cpu_common.h"
 
