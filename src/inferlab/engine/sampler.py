@@ -108,14 +108,20 @@ class Sampler:
         greedy = [p.greedy for p in params]
         if all(greedy):
             return logits.argmax(dim=-1)
-        u = uniforms(logits.shape[0], generators, logits.device)
+        # A seeded request's u is drawn after whatever its parameters can make raise (LLMEngine._sample retries a
+        # failed batch request by request, and the others must draw what they would have drawn).
         kernels = None if any(p.top_k > 0 or p.top_p < 1.0 for p in params) else kernels_for(logits)
         if kernels is not None:
             temps = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+            u = uniforms(logits.shape[0], generators, logits.device)
             drawn = kernels.sample_rows(logits, temps, u)
             if not bool((drawn == UNSETTLED).any()):
                 return drawn
-        sampled = sample_from(sampling_probs(logits, params), generators, u)
+            probs = sampling_probs(logits, params)  # raises nothing `temps` did not: no top-k/p; logits sanitised
+        else:
+            probs = sampling_probs(logits, params)
+            u = uniforms(logits.shape[0], generators, logits.device)
+        sampled = sample_from(probs, generators, u)
         if not any(greedy):
             return sampled
         is_greedy = torch.tensor(greedy, device=logits.device)
