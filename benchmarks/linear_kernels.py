@@ -20,6 +20,12 @@ them from `git archive`), pass by pass alternately, for every --rows, then the b
 logits) at one row; it checks the two give the same bits.
 
     python benchmarks/linear_kernels.py --against 7e1d74a --rows 1 2 4 8 16 64
+
+`--placement` times the same kernels (packed bf16, int4, w8a8) on the same weights in two placements, pass by pass
+alternately: each matrix a tensor of its own, as loading leaves them, and all of them copied end to end onto one
+huge-page mapping in the order a step reads them (layers/packed_linear.py: place_streamed_weights).
+
+    python benchmarks/linear_kernels.py --placement --rows 1 4 16 64
 """
 
 from __future__ import annotations
@@ -54,8 +60,13 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 512])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--against", metavar="REV", help="time this tree's packed kernels against git revision REV's")
-    ap.add_argument("--passes", type=int, default=30, help="with --against: passes a side")
+    ap.add_argument("--passes", type=int, default=30, help="with --against or --placement: passes a side")
+    ap.add_argument("--placement", action="store_true", help="each weight its own tensor against one huge-page "
+                                                             "mapping for all")
     args = ap.parse_args()
+    if args.placement:
+        placement(args.rows, args.layers, args.passes)
+        return
     if args.against:
         against(args.against, args.rows, args.layers, args.passes)
         return
@@ -171,6 +182,62 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
             compare(kernel, m, lambda mod: call(mod, xs))
     x = torch.randn(1, 576, generator=g).bfloat16()
     compare("bf16 LM head, fp32 out", 1, lambda mod: [mod.packed_linear(x, head, 49152, True)])
+    share = machine.stop()["foreign_cpu_share"]
+    print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
+
+
+def placement(rows: list[int], layers: int, passes: int) -> None:
+    from inferlab.bench.machine import MachineSampler
+    from inferlab.common.host_memory import huge_page_copies
+
+    kernels = gemv_kernels()
+    if kernels is None:
+        raise SystemExit("the packed kernels need AVX-512 with BF16 on this machine")
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=g).bfloat16() for _ in range(layers) for o, i in SHAPES]
+    head = torch.randn(49152, 576, generator=g).bfloat16()
+    bf16 = [pack_bf16(w) for w in weights]
+    q4 = [t for o, i in SHAPES * layers for t in (torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=g),
+                                                  (torch.rand(o, i // 32, generator=g) * 0.01).half().view(torch.int16),
+                                                  (torch.rand(o, i // 32, generator=g) * -0.1).half().view(torch.int16))]
+    w8 = [t for q, s in map(quantize_int8, weights) for t in (pack_w8a8(q), s)]
+    lm_head = [pack_bf16(head)]
+    outs = [w.shape[0] for w in weights]
+
+    def cases(bf16, q4, w8, lm_head):
+        return {
+            "bf16": lambda xs: [kernels.packed_linear(xs[p.shape[1] * 2], p, n, False) for p, n in zip(bf16, outs)],
+            "int4": lambda xs: [kernels.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32)
+                                for q, d, mn in zip(q4[::3], q4[1::3], q4[2::3])],
+            "w8a8": lambda xs: [kernels.w8a8_linear(xs[p.shape[1] * 4], p, s, n)
+                                for p, s, n in zip(w8[::2], w8[1::2], outs)],
+            "bf16 LM head, fp32 out": lambda xs: [kernels.packed_linear(xs[576], lm_head[0], 49152, True)],
+        }
+
+    own = cases(bf16, q4, w8, lm_head)
+    mapped = cases(*(huge_page_copies(ts) for ts in (bf16, q4, w8, lm_head)))
+    print(f"{torch.get_num_threads()} threads; {layers} layers' matmuls a pass (SmolLM2-135M's shapes); median of "
+          f"{passes} passes; each weight its own tensor against all on one huge-page mapping")
+    print("| kernel | rows | own tensors ms | one mapping ms | own / mapping |")
+    print("|---|---|---|---|---|")
+    machine = MachineSampler()
+    machine.start()
+    for m in rows:
+        xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}
+        for kernel in own:
+            if kernel.startswith("bf16 LM") and m != 1:
+                continue
+            a, b = own[kernel](xs), mapped[kernel](xs)
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"{kernel} at {m} rows: the placements differ"
+            times: dict[str, list[float]] = {"own": [], "mapped": []}
+            for i in range(passes):
+                for name, run in (("own", own[kernel]), ("mapped", mapped[kernel]))[::1 if i % 2 else -1]:
+                    t = time.perf_counter()
+                    run(xs)
+                    times[name].append(time.perf_counter() - t)
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            print(f"| {kernel} | {m} | {ms['own']:.2f} | {ms['mapped']:.2f} | {ms['own'] / ms['mapped']:.2f}x |",
+                  flush=True)
     share = machine.stop()["foreign_cpu_share"]
     print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
 

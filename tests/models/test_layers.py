@@ -12,7 +12,8 @@ from inferlab.kernels import cpu_kernels, gemv_kernels
 from inferlab.layers import attention as attention_mod
 from inferlab.layers import kv_int8
 from inferlab.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
-from inferlab.layers.packed_linear import PackedLinear, pack_bf16, pack_linears, packing_available
+from inferlab.layers.packed_linear import (PackedLinear, pack_bf16, pack_linears, packing_available,
+                                           place_streamed_weights)
 
 HEADS, KV_HEADS, DIM, BS, BLOCKS = 6, 2, 16, 4, 64
 
@@ -320,3 +321,28 @@ def test_fused_rotary_kv_write_matches_rotary_then_store(dtype):
     for t, s in enumerate(slots.tolist()):
         assert torch.equal(kc[:, s // 4, s % 4], k[t]) and torch.equal(vc[:, s // 4, s % 4], v[t])
     assert int((kc != 0).any(-1).sum()) == KVH * len(slots)  # nothing else written
+
+
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no packed bf16 here")
+def test_place_streamed_weights_moves_what_the_kernels_read_and_keeps_outputs():
+    from inferlab.quant.int4 import Int4Linear
+    from inferlab.quant.w8a8 import W8A8Linear
+
+    g = torch.Generator().manual_seed(0)
+    dense = nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    net = nn.ModuleDict({"dense": dense, "int4": Int4Linear.from_float(torch.randn(96, 64, generator=g), 32),
+                         "w8a8": W8A8Linear.from_float(torch.randn(96, 64, generator=g))})
+    pack_linears(net)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    before = {name: m(x) for name, m in net.items()}
+    plain = net["dense"].weight
+    old = {(name, a): getattr(m, a) for name, m in net.items() for a in m.streamed_tensors()}
+    assert ("int4", "qweight") in old and ("w8a8", "scales") in old
+    moved = place_streamed_weights(net)
+    assert moved == sum(t.numel() * t.element_size() for t in old.values())
+    for (name, a), t in old.items():
+        new = getattr(net[name], a)
+        assert new.data_ptr() != t.data_ptr() and torch.equal(new, t)
+    assert net["dense"].weight is plain  # the plain weight (state_dict, a tied embedding) stays where it was
+    for name, m in net.items():
+        assert torch.equal(m(x), before[name])

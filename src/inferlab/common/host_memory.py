@@ -13,6 +13,7 @@ The KV pool is read in scattered 2 KiB blocks; on 4 KiB pages nearly every block
 transparent huge pages (`madvise`, honoured where THP is in `madvise` or `always` mode) before it is first written.
 It lives on its own anonymous mapping, whose pages the kernel zero-fills on first touch: the pool costs memory as
 sequences write to it, not all at start (a 1 GiB pool zeroed by hand was 1 GiB resident before the first request).
+The weights the kernels stream every step get the same pages (`huge_page_copies`), all on one mapping.
 
 After the model is loaded, the heap holds hundreds of MiB that loading freed (GGUF dequantization's float32
 copies, state-dict conversions) but glibc keeps, since the trim threshold above stops it from giving the heap
@@ -86,6 +87,29 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     # transparent huge pages unless shmem_enabled allows them).
     buf = mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+
+
+def huge_page_copies(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Copies of CPU tensors laid end to end, in the order given, on one anonymous mapping of their own backed by
+    2 MiB pages where THP allows: views of it, each starting on an `align`-byte boundary, that keep the mapping
+    alive. For weights a kernel streams once a step: on 4 KiB pages every page is a TLB miss and the hardware
+    prefetcher stops at each page's end, and a layer's matrices (0.6-3.5 MiB each for SmolLM2-135M) are each too
+    small to get a huge page of their own; laid out in the order a step reads them, they also form one stream."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // align) * align
+    # One huge page of slack, so the views can start on a 2 MiB boundary of the mapping (mmap aligns to 4 KiB).
+    raw = zeroed_host_tensor((end + HUGE_PAGE,), torch.uint8)
+    arena = raw[-raw.data_ptr() % HUGE_PAGE:][:end]
+    advise_huge_pages(arena)
+    copies = []
+    for t, off, n in zip(tensors, offsets, sizes):
+        c = arena[off:off + n].view(t.dtype).view(t.shape)
+        c.copy_(t)
+        copies.append(c)
+    return copies
 
 
 def release_free_heap() -> bool:

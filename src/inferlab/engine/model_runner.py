@@ -10,7 +10,7 @@ import torch
 from inferlab.engine.scheduler import ScheduledBatch
 from inferlab.engine.sequence import Sequence
 from inferlab.layers.attention import AttentionGroup, AttentionMetadata, allocate_kv_cache, bind_kv_cache
-from inferlab.layers.packed_linear import pack_linears
+from inferlab.layers.packed_linear import pack_linears, place_streamed_weights
 from inferlab.models.llama import LlamaForCausalLM
 
 
@@ -55,6 +55,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # Extra bytes held by packed copies of bf16 CPU weights (see layers/packed_linear.py).
         self.packed_weight_bytes = pack_linears(model) if pack_weights else 0
+        place_streamed_weights(model)
         self.kv_cache = allocate_kv_cache(model.model.layers, num_blocks, block_size, kv_dtype, device)
         # Small decode steps in one C++ call where every layer has the kernels for it (models/llama.py).
         model.model.build_decode_plan()

@@ -118,7 +118,7 @@ def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hard
     """
     import torch
 
-    from inferlab.common.host_memory import available_memory
+    from inferlab.common.host_memory import advise_huge_pages, available_memory, zeroed_host_tensor
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
@@ -131,7 +131,15 @@ def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hard
         name, memory = _cpu_name(), available_memory()
         nbytes, n_mm = min(256 * 2**20, memory // 16), {"bf16": 2048, "fp32": 2048}
 
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    if dev.type == "cpu":
+        # On huge pages, as the engine keeps the weights it streams (layers/packed_linear.py:
+        # place_streamed_weights). On 4 KiB pages the same sum read anything from 32 to 66 GB/s from one run to the
+        # next on the 2-core EPYC, on 2 MiB pages 69-70 (docs/benchmarks.md, round 12).
+        x = zeroed_host_tensor((nbytes // 4,), torch.float32)
+        advise_huge_pages(x)
+        x.fill_(1.0)
+    else:
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     bandwidth = x.numel() * 4 / _best_time(lambda: x.sum(), sync, seconds)
     del x
     flops: dict[str, float] = {}
@@ -141,7 +149,8 @@ def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hard
         flops[dt] = 2 * n**3 / _best_time(lambda: a @ b, sync, seconds)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     source = (
-        f"measured by inferlab's probe on {dev.type} at {when}: best-of-N fp32 sum over {nbytes // 2**20} MiB; "
+        f"measured by inferlab's probe on {dev.type} at {when}: best-of-N fp32 sum over {nbytes // 2**20} MiB"
+        + (" on huge pages" if dev.type == "cpu" else "") + "; "
         f"{n_mm['bf16']}x{n_mm['bf16']} bf16 and {n_mm['fp32']}x{n_mm['fp32']} fp32 matmuls"
         + ("; memory = MemAvailable" if dev.type == "cpu" else "")
     )

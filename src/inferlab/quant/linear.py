@@ -69,6 +69,10 @@ class QuantLinear(KernelLinear):
             self.packed = pack_weight(self.dequantize(torch.bfloat16))
         return packed_bytes(self.packed)
 
+    def streamed_tensors(self) -> list[str]:
+        names = [name for name, _ in self.named_buffers(recurse=False)]
+        return names + (["packed"] if self.packed is not None and not self.packed.is_mkldnn else [])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~120 times per decode step: the checks are kept to attribute reads (measured: a generator over
         # buffers() here cost ~5% of a batch-1 step).
