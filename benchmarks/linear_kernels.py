@@ -140,21 +140,38 @@ def main() -> None:
         print(f"int8 LM head 49152 x 576, 1 token: {t * 1e3:.3f} ms, {head.numel() / t / 1e9:.1f} GB/s", flush=True)
 
 
+def bf16_layout_for(kernels, w: torch.Tensor) -> torch.Tensor:
+    """w packed as `kernels`' packed_linear takes it: this tree's pack_bf16, or the layout before round 12 (blocks
+    of 16 outputs, each block's lines in a run of their own), which that kernel's shape check rejects the new one for."""
+    packed = pack_bf16(w)
+    try:
+        kernels.packed_linear(torch.zeros(1, w.shape[1], dtype=torch.bfloat16), packed, w.shape[0])
+        return packed
+    except RuntimeError:
+        padded = F.pad(w, (0, 0, 0, -w.shape[0] % 16))
+        return padded.view(-1, 16, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
 def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
     from decode_attention import kernels_at
 
     from inferlab.bench.machine import MachineSampler
+
+    from inferlab.common.host_memory import huge_page_copies
 
     kernels, base = gemv_kernels(), kernels_at(rev)
     if kernels is None:
         raise SystemExit("the packed kernels need AVX-512 with BF16 on this machine")
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g).bfloat16() for _ in range(layers) for o, i in SHAPES]
-    bf16 = [(pack_bf16(w), w.shape[0]) for w in weights]
-    w8 = [(pack_w8a8(q), s, q.shape[0]) for q, s in map(quantize_int8, weights)]
-    head = pack_bf16(torch.randn(49152, 576, generator=g).bfloat16())
+    head = torch.randn(49152, 576, generator=g).bfloat16()
+    # Each side's bf16 weights in the layout its kernel takes, all on one huge-page mapping as the engine keeps them.
+    packs = {m: huge_page_copies([bf16_layout_for(m, w) for w in weights + [head]]) for m in (kernels, base)}
+    outs = [w.shape[0] for w in weights]
+    w8 = huge_page_copies([t for q, s in map(quantize_int8, weights) for t in (pack_w8a8(q), s)])
+    w8 = [(w8[2 * i], w8[2 * i + 1], n) for i, n in enumerate(outs)]
     cases = {
-        "bf16": lambda m, xs: [m.packed_linear(xs[p.shape[1] * 2], p, n, False) for p, n in bf16],
+        "bf16": lambda m, xs: [m.packed_linear(xs[p.shape[1] * 2], p, n, False) for p, n in zip(packs[m], outs)],
         "w8a8": lambda m, xs: [m.w8a8_linear(xs[p.shape[1] * 4], p, s, n) for p, s, n in w8],
     }
     print(f"{torch.get_num_threads()} threads; {layers} layers' matmuls a pass (SmolLM2-135M's shapes); median of "
@@ -181,7 +198,7 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
         for kernel, call in cases.items():
             compare(kernel, m, lambda mod: call(mod, xs))
     x = torch.randn(1, 576, generator=g).bfloat16()
-    compare("bf16 LM head, fp32 out", 1, lambda mod: [mod.packed_linear(x, head, 49152, True)])
+    compare("bf16 LM head, fp32 out", 1, lambda mod: [mod.packed_linear(x, packs[mod][-1], 49152, True)])
     share = machine.stop()["foreign_cpu_share"]
     print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
 

@@ -224,20 +224,21 @@ def test_packed_linear_equals_dense_matmul(rows):
 @pytest.mark.skipif(gemv_kernels() is None, reason="inferlab's kernels need AVX-512 BF16 and a compiler")
 @pytest.mark.parametrize("k", [576, 80, 34])
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17])  # whole and partial tiles of 8 tokens
-def test_packed_gemm_matches_float64(k, rows):
-    g = torch.Generator().manual_seed(k + rows)
-    w = torch.randn(203, k, generator=g).bfloat16()  # 203 outputs: an odd number of 16-row blocks, the last partial
+@pytest.mark.parametrize("n", [203, 219])  # 7 tiles of 32 outputs, the last with 11 (its second block empty) or 27
+def test_packed_gemm_matches_float64(k, rows, n):
+    g = torch.Generator().manual_seed(k + rows + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     packed = pack_bf16(w)
-    assert packed.shape == (13, k // 2, 16, 2)
-    y = gemv_kernels().packed_linear(x, packed, 203)
+    assert packed.shape == (7, k // 2, 32, 2)
+    y = gemv_kernels().packed_linear(x, packed, n)
     ref = x.double() @ w.double().T
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, 203)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     # fp32 sums rounded once to bf16: within bf16's half-ulp of the exact product (plus fp32 summation slack).
     assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * (x.double().abs() @ w.double().abs().T)).all()
     for r in (0, rows - 1):  # a row's result ignores the other rows
-        assert torch.equal(gemv_kernels().packed_linear(x[r:r + 1], packed, 203), y[r:r + 1])
-    y32 = gemv_kernels().packed_linear(x, packed, 203, fp32_out=True)  # the logits' form: the fp32 sums
+        assert torch.equal(gemv_kernels().packed_linear(x[r:r + 1], packed, n), y[r:r + 1])
+    y32 = gemv_kernels().packed_linear(x, packed, n, fp32_out=True)  # the logits' form: the fp32 sums
     assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), y)
     assert ((y32.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6).all()
 
@@ -251,7 +252,7 @@ def test_pack_linears_keeps_tied_weights_and_skips_other_dtypes():
     added = pack_linears(net)
     assert isinstance(net["head"], PackedLinear) and net["head"].weight is emb.weight
     assert type(net["f32"]) is nn.Linear  # fp32 stays on MKL's path: no packing
-    # inferlab's layout pads the outputs to whole blocks of 16; oneDNN's keeps 50 rows.
+    # inferlab's layout pads the outputs to whole tiles of 32; oneDNN's keeps 50 rows.
     assert added == (64 if gemv_kernels() is not None else 50) * 32 * 2
 
 

@@ -35,14 +35,13 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] (K even) -> inferlab's layout [ceil(N / 16), K / 2, 16, 2] in bf16: for each block of 16 outputs,
-    the weights of input pairs (k, k + 1) side by side (kernels/packed_gemm.cpp explains why). Rows past N are
-    zeros."""
+    """W [N, K] (K even) -> inferlab's layout [ceil(N / 32), K / 2, 32, 2] in bf16: for each tile of 32 outputs, the
+    weights of input pairs (k, k + 1) side by side (kernels/packed_gemm.cpp explains why). Rows past N are zeros."""
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"inferlab's packed layout needs an even number of inputs, got {k}")
-    padded = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, -n % 16))
-    return padded.view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
+    padded = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, -n % 32))
+    return padded.view(-1, 32, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
