@@ -288,6 +288,32 @@ def test_step_time_ratio_tells_the_typical_step_from_the_total():
     assert at_host_speed(cost, {**r, "time_ratio": 1.01}) is None  # within SPEED_NOTE: nothing to simulate again
 
 
+def test_memory_and_compute_terms_get_their_own_speeds_when_the_steps_tell_them_apart():
+    """Decode steps (mostly the intercept's weight reads) and prefill-carrying steps (mostly prefill tokens), served
+    with the memory terms 1.3x the profile and the compute terms 0.9x: least squares on the step times finds both
+    factors, and validate's simulation at the measured speed stretches each kind of term by its own."""
+    from inferlab.lab.calibrate import step_time_ratio
+    from inferlab.lab.simulate_cli import at_host_speed
+
+    cost = StepCost(intercept=0.008, per_prefill_token=5e-4, per_decode_seq=1e-4, per_attended=2e-6,
+                    per_prefill_step=1e-3)
+    rows, t = [], 0.0
+    for i in range(40):
+        shape = BatchShape(((0, 40 + 10 * i, True),), 3, 600) if i % 4 == 0 else BatchShape((), 4, 800 + 10 * i)
+        memory, compute = cost.parts(shape_features(shape))
+        assert memory + compute == pytest.approx(cost.time(shape_features(shape)))
+        rows.append({"t": t, "dt": 1.3 * memory + 0.9 * compute, "busy": True, **shape.to_json()})
+        t += rows[-1]["dt"]
+    r = step_time_ratio(cost, rows)
+    assert r["memory_ratio"] == pytest.approx(1.3) and r["compute_ratio"] == pytest.approx(0.9)
+    host = at_host_speed(cost, r)
+    assert host.intercept == pytest.approx(0.008 * 1.3) and host.per_attended == pytest.approx(2e-6 * 1.3)
+    assert host.per_prefill_token == pytest.approx(5e-4 * 0.9) and host.per_decode_seq == pytest.approx(1e-4 * 0.9)
+    # Steps all of one shape cannot tell the two apart: no factors, and validate falls back to the total.
+    same = [{**rows[1], "t": i * rows[1]["dt"]} for i in range(10)]
+    assert step_time_ratio(cost, same)["memory_ratio"] is None
+
+
 def test_features_of_a_step():
     """A prefill of 20: 20 x 10.5 query-key pairs; then a decode at 21 tokens reads 21 keys."""
     bm = BlockManager(100, 4)

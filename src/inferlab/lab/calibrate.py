@@ -353,6 +353,20 @@ def kind_weights(labels: list[str]) -> list[float]:
     return [1 / np.sqrt(count[k]) for k in kinds]
 
 
+def memory_compute_ratios(cost: StepCost, feats: list, measured: np.ndarray) -> dict:
+    """The two factors (memory terms, compute terms) that best stretch the profile's predictions onto the measured
+    step times, by least squares: {"memory_ratio", "compute_ratio"}, both None where the steps cannot tell them
+    apart or a factor comes out non-positive. A shared host's memory and arithmetic need not move together: one
+    validation's decode steps (mostly weight reads) ran x1.31-1.38 the profile while its prefill-carrying steps ran
+    x0.97-1.05 (docs/benchmarks.md, round 12), which no single factor describes."""
+    parts = np.array([cost.parts(f) for f in feats], dtype=np.float64).reshape(-1, 2)
+    none = {"memory_ratio": None, "compute_ratio": None}
+    if len(parts) < 2 or np.linalg.matrix_rank(parts) < 2:
+        return none
+    (a, b), *_ = np.linalg.lstsq(parts, measured, rcond=None)
+    return {"memory_ratio": float(a), "compute_ratio": float(b)} if a > 0 and b > 0 else none
+
+
 def step_time_ratio(cost: StepCost, rows: list[dict], windows: list[tuple[float, float]] | None = None) -> dict:
     """How a server's traced steps (read_step_trace's rows) ran against a profile: the median over steps of
     measured / predicted period, relative to the profile's own median (its step_noise), overall and per kind of
@@ -373,5 +387,6 @@ def step_time_ratio(cost: StepCost, rows: list[dict], windows: list[tuple[float,
     mean_noise = float(np.mean(cost.step_noise)) if cost.step_noise else 1.0
     return {"steps": int(len(ratio)), "ratio": float(np.median(ratio)),
             "time_ratio": float(measured.sum() / predicted.sum() / mean_noise),
+            **memory_compute_ratios(cost, [f for f in feats if cost.time(f) > 0], measured / mean_noise),
             "by_kind": {k: {"steps": int((kinds == k).sum()), "ratio": float(np.median(ratio[kinds == k]))}
                         for k in sorted(set(kinds.tolist()))}}

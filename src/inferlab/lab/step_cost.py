@@ -142,13 +142,26 @@ class StepCost:
     def step_time(self, batch: ScheduledBatch) -> float:
         return self.time(batch_features(batch))
 
-    def stretched(self, k: float) -> "StepCost":
+    def parts(self, f: StepFeatures) -> tuple[float, float]:
+        """A step's predicted time split into its MEMORY_TERMS and its COMPUTE_TERMS (request overhead in
+        neither): what a host whose memory slows and whose arithmetic does not stretches differently."""
+        v = f.vector()
+        memory = sum(getattr(self, c) * v[COEFFICIENTS.index(c)] for c in MEMORY_TERMS)
+        compute = sum(getattr(self, c) * v[COEFFICIENTS.index(c)] for c in COMPUTE_TERMS)
+        return float(memory), float(compute)
+
+    def stretched(self, k: float, k_compute: float | None = None) -> "StepCost":
         """The profile with every step's time k times as long (k < 1: shorter): the same host running slower or
-        faster than when it was calibrated. Request overhead (host-side, between steps) is kept."""
+        faster than when it was calibrated; with k_compute, the memory terms x k and the compute terms x
+        k_compute. Request overhead (host-side, between steps) is kept."""
+        kc = k if k_compute is None else k_compute
         out = StepCost(**{f.name: getattr(self, f.name) for f in fields(self)})
-        for c in (*MEMORY_TERMS, *COMPUTE_TERMS):
+        for c in MEMORY_TERMS:
             setattr(out, c, getattr(self, c) * k)
-        out.notes = [*self.notes, f"every step term x{k:.4g}"]
+        for c in COMPUTE_TERMS:
+            setattr(out, c, getattr(self, c) * kc)
+        out.notes = [*self.notes, f"every step term x{k:.4g}" if k_compute is None
+                     else f"memory terms x{k:.4g}, compute terms x{kc:.4g}"]
         return out
 
     def scaled(self, to_name: str, bandwidth: float, flops: float) -> "StepCost":
