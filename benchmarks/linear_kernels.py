@@ -142,7 +142,7 @@ def main() -> None:
 
 def bf16_layout_for(kernels, w: torch.Tensor) -> torch.Tensor:
     """w packed as `kernels`' packed_linear takes it: this tree's pack_bf16, or the layout before round 12 (blocks
-    of 16 outputs, each block's lines in a run of their own), which that kernel's shape check rejects the new one for."""
+    of 16 outputs, each block's lines in a run of their own) where that kernel's shape check rejects the new one."""
     packed = pack_bf16(w)
     try:
         kernels.packed_linear(torch.zeros(1, w.shape[1], dtype=torch.bfloat16), packed, w.shape[0])
@@ -214,9 +214,10 @@ def placement(rows: list[int], layers: int, passes: int) -> None:
     weights = [torch.randn(o, i, generator=g).bfloat16() for _ in range(layers) for o, i in SHAPES]
     head = torch.randn(49152, 576, generator=g).bfloat16()
     bf16 = [pack_bf16(w) for w in weights]
-    q4 = [t for o, i in SHAPES * layers for t in (torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=g),
-                                                  (torch.rand(o, i // 32, generator=g) * 0.01).half().view(torch.int16),
-                                                  (torch.rand(o, i // 32, generator=g) * -0.1).half().view(torch.int16))]
+    q4 = [t for o, i in SHAPES * layers
+          for t in (torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=g),
+                    (torch.rand(o, i // 32, generator=g) * 0.01).half().view(torch.int16),
+                    (torch.rand(o, i // 32, generator=g) * -0.1).half().view(torch.int16))]
     w8 = [t for q, s in map(quantize_int8, weights) for t in (pack_w8a8(q), s)]
     lm_head = [pack_bf16(head)]
     outs = [w.shape[0] for w in weights]

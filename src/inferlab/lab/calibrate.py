@@ -357,8 +357,9 @@ def memory_compute_ratios(cost: StepCost, feats: list, measured: np.ndarray) -> 
     """The two factors (memory terms, compute terms) that best stretch the profile's predictions onto the measured
     step times, by least squares: {"memory_ratio", "compute_ratio"}, both None where the steps cannot tell them
     apart or a factor comes out non-positive. A shared host's memory and arithmetic need not move together: one
-    validation's decode steps (mostly weight reads) ran x1.31-1.38 the profile while its prefill-carrying steps ran
-    x0.97-1.05 (docs/benchmarks.md, round 12), which no single factor describes."""
+    validation's decode steps (mostly weight reads) ran x1.12-1.38 the profile while its prefill-carrying steps
+    ran x0.97-1.05, which no single factor describes; with the two, every p50 but a saturated point's TTFT came
+    within 10% (docs/benchmarks.md, issue 20, 2026-12-05)."""
     parts = np.array([cost.parts(f) for f in feats], dtype=np.float64).reshape(-1, 2)
     none = {"memory_ratio": None, "compute_ratio": None}
     if len(parts) < 2 or np.linalg.matrix_rank(parts) < 2:

@@ -133,8 +133,8 @@ def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hard
 
     if dev.type == "cpu":
         # On huge pages, as the engine keeps the weights it streams (layers/packed_linear.py:
-        # place_streamed_weights). On 4 KiB pages the same sum read anything from 32 to 66 GB/s from one run to the
-        # next on the 2-core EPYC, on 2 MiB pages 69-70 (docs/benchmarks.md, round 12).
+        # place_streamed_weights). On 4 KiB pages the same sum read anything from 31 to 66.5 GB/s from one run to
+        # the next on the 2-core EPYC, on 2 MiB pages 69-70 (docs/benchmarks.md, round 12).
         x = zeroed_host_tensor((nbytes // 4,), torch.float32)
         advise_huge_pages(x)
         x.fill_(1.0)

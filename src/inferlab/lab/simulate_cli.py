@@ -638,11 +638,12 @@ def measured_speed(r: dict) -> float | None:
 def at_host_speed(cost, r: dict):
     """The profile at the speed the server's steps ran, or None when they ran within SPEED_NOTE of it: its memory
     and compute terms each times its own factor (step_time_ratio's memory_ratio and compute_ratio), or every step
-    term times measured_speed where the steps cannot tell the two apart. What it predicts is not a prediction (its speed comes from the very measurement),
-    but it separates the model's error from the host's: on a host that sped up 9% in the half hour of a run, TTFT
-    p50 +16% from the profile, -3% at the measured speed. The total, not the median: near saturation, where a
-    stall's time is never made up, a point whose median step ran x1.03 and total x1.045 (the short card at 1.54
-    req/s) came out TTFT p50 -14% at the median's speed and -3% at the total's (docs/benchmarks.md)."""
+    term times measured_speed where the steps cannot tell the two apart. What it predicts is not a prediction (its
+    speed comes from the very measurement), but it separates the model's error from the host's: on a host that
+    sped up 9% in the half hour of a run, TTFT p50 +16% from the profile, -3% at the measured speed. The total, not
+    the median: near saturation, where a stall's time is never made up, a point whose median step ran x1.03 and
+    total x1.045 (the short card at 1.54 req/s) came out TTFT p50 -14% at the median's speed and -3% at the
+    total's (docs/benchmarks.md)."""
     memory, compute = r.get("memory_ratio"), r.get("compute_ratio")
     if memory and compute:  # memory and arithmetic each at its own speed
         return cost.stretched(memory, compute) if max(abs(memory - 1), abs(compute - 1)) >= SPEED_NOTE else None
