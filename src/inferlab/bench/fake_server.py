@@ -100,6 +100,9 @@ class FakeServer:
         self._timer_at = float("inf")
         self._waiting: collections.deque[_Stream] = collections.deque()
         self.running = 0
+        # With max_concurrency: when each slot freed that no waiting request took (a heap), so that a request whose
+        # first byte came before its slot was free is admitted when the slot was, not at its arrival.
+        self._freed: list[float] = []
         self.log: list[_Stream] = []
         self._seen_prompts: set[int] = set()
         self._seen_blocks: set[int] = set()
@@ -187,8 +190,13 @@ class FakeServer:
 
     def submit(self, s: _Stream) -> None:
         self.log.append(s)
-        if self.cfg.max_concurrency and self.running >= self.cfg.max_concurrency:
+        cap = self.cfg.max_concurrency
+        if cap and self.running >= cap:
             self._waiting.append(s)
+        elif cap and self.running + len(self._freed) >= cap:
+            # Every free slot was freed by a finish; take the earliest. On a loaded host a request's first byte can
+            # come in before the finish that freed its slot is handled: it starts when the slot was free.
+            self._admit(s, max(s.arrival, heapq.heappop(self._freed)))
         else:
             self._admit(s, s.arrival)  # the schedule counts from the request's first byte, not from parsing
 
@@ -250,6 +258,8 @@ class FakeServer:
             w = self._waiting.popleft()
             if w.status == "queued":
                 self._admit(w, now)
+        if self.cfg.max_concurrency and self.running < self.cfg.max_concurrency:
+            heapq.heappush(self._freed, now)
 
     # --- response bodies ----------------------------------------------------------------------------------
 
