@@ -91,7 +91,8 @@ def test_decode_kernel_reads_the_int8_pool(dim, group, block_size, dtype):
     tables = torch.stack([torch.randperm(blocks)[:nblk] for _ in lens])
     q = (2 * torch.randn(len(lens), kvh * group, dim)).to(dtype)
     out = kernels.paged_decode_attention(q, k, v, tables, lens, dim**-0.5)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    # an fp32 query is still rounded to int16 against its largest element for the integer scores (1/65,534 of it)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
     for i, n in enumerate(lens.tolist()):
         pos = torch.arange(n)
         keys, vals = (c[:, tables[i, pos // block_size], pos % block_size] for c in (kd, vd))
@@ -119,7 +120,8 @@ def test_decode_kernel_reads_runs_of_rows_from_the_int8_pool(dim, group, block_s
     lens = torch.tensor([n for _, n in rows])
     q = (2 * torch.randn(len(rows), kvh * group, dim)).to(dtype)
     out = kernels.paged_decode_attention(q, k, v, tables, lens, dim**-0.5)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    # an fp32 query is still rounded to int16 against its largest element for the integer scores (1/65,534 of it)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
     for i, n in enumerate(lens.tolist()):
         alone = kernels.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], dim**-0.5)
         assert torch.equal(alone[0], out[i]), i

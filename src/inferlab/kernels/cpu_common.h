@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define INFERLAB_AVX512_BF16 1
 #include <immintrin.h>
 #endif
@@ -97,6 +97,26 @@ inline __m512 sum_lanes_of_16(const __m512* v) {
   const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
   const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(row_order, z);
+}
+
+// sum_lanes_of_16 on int32 lanes, exact: the shuffles move bits alike; only the adds differ.
+inline __m512i sum_lanes_of_16(const __m512i* v) {
+  const auto f = [](__m512i a) { return _mm512_castsi512_ps(a); };
+  const auto i = [](__m512 a) { return _mm512_castps_si512(a); };
+  __m512i w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)
+    w[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * k], v[2 * k + 1], 0x44),
+                            _mm512_shuffle_i32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)
+    x[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0x88),
+                            _mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)
+    y[k] = _mm512_add_epi32(i(_mm512_shuffle_ps(f(x[2 * k]), f(x[2 * k + 1]), 0x44)),
+                            i(_mm512_shuffle_ps(f(x[2 * k]), f(x[2 * k + 1]), 0xEE)));
+  const __m512i z = _mm512_add_epi32(i(_mm512_shuffle_ps(f(y[0]), f(y[1]), 0x88)),
+                                     i(_mm512_shuffle_ps(f(y[0]), f(y[1]), 0xDD)));
+  const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_epi32(row_order, z);
 }
 
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }

@@ -476,10 +476,12 @@ bool decode_bf16_simd(const at::BFloat16* q, const at::BFloat16* kc, const at::B
 #undef INFERLAB_GROUP
 }
 
-// The int8 pool's path: decode_bf16's runs, parts, tiles, softmax and P.V, with each 16-key tile's K rows widened to
-// fp32 once for the run (vpmovsxbd + vcvtdq2ps) and the scores taken in fp32 FMAs against the fp32 query, then
-// scaled by the keys' scales (one load: a block keeps its scales together); each softmax weight is scaled by its
-// value row's scale before P.V. The pool read is half of bf16's.
+// The int8 pool's path: decode_bf16's runs, parts, tiles, softmax and P.V. The scores are integer dot products on
+// VNNI: each query head is rounded to int16 against its own largest element (an error under 1/65,534 of it, far below
+// the keys' own int8 rounding of 1/254), each 16-key tile's K rows are widened to int16 once for the run (vpmovsxbw),
+// and vpdpwssd sums 32 products an instruction, exactly in int32; a score is then scaled by its query's and its key's
+// scale (one load: a block keeps its scales together). Each softmax weight is scaled by its value row's scale before
+// P.V in fp32. The pool read is half of bf16's.
 template <typename T, int64_t G, int64_t C>
 void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc, const RowRun& run, int64_t h,
                  int64_t k0, int64_t k1, Softmax<G, 64 * C>& st) {
@@ -487,13 +489,20 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
   const int64_t H = pg.KVH * G, R = run.rows, last = run.first + R - 1, BS = pg.BS;
   const int64_t block_bytes = int8_block_bytes(BS, D);
   alignas(64) float p[kMaxRows][G][kTile];
-  alignas(64) float qf[kMaxRows][G][D];
-  alignas(64) float kf[kTile][D];
+  alignas(64) int16_t qi[kMaxRows][G][D];
+  alignas(64) int16_t kw[kTile][D];
   alignas(64) float vf[kTile][D];
+  float q_scale[kMaxRows][G];
   float corr[kMaxRows][G];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) qf[r][g][d] = load(q, ((run.first + r) * H + h * G + g) * D + d) * pg.scale;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = ((run.first + r) * H + h * G + g) * D;
+      float top = 0.f;
+      for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(load(q, at + d)));
+      const float to_int = top > 0.f ? 32767.f / top : 0.f;
+      for (int64_t d = 0; d < D; ++d) qi[r][g][d] = static_cast<int16_t>(std::nearbyint(load(q, at + d) * to_int));
+      q_scale[r][g] = top > 0.f ? pg.scale * top / 32767.f : 0.f;
+    }
   st.reset(R);
   const int64_t len = pg.lens[last], end = std::min(len, k1);
   const int64_t* table = pg.tables + last * pg.max_blocks;
@@ -511,7 +520,10 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
       };
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&kf[j][16 * c], widen(kb + (t0 + j) * D, c));
+        for (int64_t c = 0; c < 2 * C; ++c) {
+          const auto* row = reinterpret_cast<const __m256i*>(kb + (t0 + j) * D + 32 * c);
+          _mm512_store_si512(&kw[j][32 * c], _mm512_cvtepi8_epi16(_mm256_loadu_si256(row)));
+        }
       if (R > 1)  // the tile's V rows widened once for all the run's rows
         for (int64_t j = 0; j < n; ++j)
           for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&vf[j][16 * c], widen(vb + (t0 + j) * D, c));
@@ -522,15 +534,18 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
         const __m512 ks = _mm512_maskz_loadu_ps(valid, k_scales + t0);
         const __m512 vs = _mm512_maskz_loadu_ps(valid, v_scales + t0);
         for (int64_t g = 0; g < G; ++g) {
-          __m512 part[kTile];
+          __m512i qv[2 * C];
+          for (int64_t c = 0; c < 2 * C; ++c) qv[c] = _mm512_load_si512(&qi[r][g][32 * c]);
+          __m512i part[kTile];
           for (int64_t j = 0; j < kTile; ++j) {
-            __m512 dp = _mm512_setzero_ps();
+            __m512i dp = _mm512_setzero_si512();
             if (j < nr)
-              for (int64_t c = 0; c < 4 * C; ++c)
-                dp = _mm512_fmadd_ps(_mm512_load_ps(&qf[r][g][16 * c]), _mm512_load_ps(&kf[j][16 * c]), dp);
+              for (int64_t c = 0; c < 2 * C; ++c)
+                dp = _mm512_dpwssd_epi32(dp, qv[c], _mm512_load_si512(&kw[j][32 * c]));
             part[j] = dp;
           }
-          const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), ks);
+          const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lanes_of_16(part)),
+                                         _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[r][g])));
           _mm512_store_ps(p[r][g], _mm512_mul_ps(softmax_tile(s, valid, st.m[r][g], st.l[r][g], corr[r][g]), vs));
         }
         if (R > 1) {
