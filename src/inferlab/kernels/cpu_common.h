@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define INFERLAB_AVX512_BF16 1
@@ -83,40 +84,31 @@ inline void store_bf16x16(at::BFloat16* p, __m512 v, __mmask16 mask = 0xFFFF) {
 inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
 
 // Lane i of the result is the sum of the 16 lanes of v[i]: 16 horizontal sums for 30 shuffles and 15 adds (a
-// _mm512_reduce_add_ps each would take ~8 instructions).
-inline __m512 sum_lanes_of_16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
+// _mm512_reduce_add_ps each would take ~8 instructions). V: __m512 (fp32 adds) or __m512i (int32 adds, exact); the
+// shuffles move bits alike.
+template <typename V>
+inline V sum_lanes_of_16(const V* in) {
+  constexpr bool ints = std::is_same_v<V, __m512i>;
+  const auto add = [](__m512 a, __m512 b) {
+    if constexpr (ints)
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    else
+      return _mm512_add_ps(a, b);
+  };
+  __m512 v[16], w[8], x[4], y[2];
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (ints) v[i] = _mm512_castsi512_ps(in[i]); else v[i] = in[i];
+  }
   for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    w[i] = add(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    x[i] = add(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    y[i] = add(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  const __m512 z = add(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
   const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(row_order, z);
-}
-
-// sum_lanes_of_16 on int32 lanes, exact: the shuffles move bits alike; only the adds differ.
-inline __m512i sum_lanes_of_16(const __m512i* v) {
-  const auto f = [](__m512i a) { return _mm512_castsi512_ps(a); };
-  const auto i = [](__m512 a) { return _mm512_castps_si512(a); };
-  __m512i w[8], x[4], y[2];
-  for (int k = 0; k < 8; ++k)
-    w[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(v[2 * k], v[2 * k + 1], 0x44),
-                            _mm512_shuffle_i32x4(v[2 * k], v[2 * k + 1], 0xEE));
-  for (int k = 0; k < 4; ++k)
-    x[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0x88),
-                            _mm512_shuffle_i32x4(w[2 * k], w[2 * k + 1], 0xDD));
-  for (int k = 0; k < 2; ++k)
-    y[k] = _mm512_add_epi32(i(_mm512_shuffle_ps(f(x[2 * k]), f(x[2 * k + 1]), 0x44)),
-                            i(_mm512_shuffle_ps(f(x[2 * k]), f(x[2 * k + 1]), 0xEE)));
-  const __m512i z = _mm512_add_epi32(i(_mm512_shuffle_ps(f(y[0]), f(y[1]), 0x88)),
-                                     i(_mm512_shuffle_ps(f(y[0]), f(y[1]), 0xDD)));
-  const __m512i row_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_epi32(row_order, z);
+  const __m512 out = _mm512_permutexvar_ps(row_order, z);
+  if constexpr (ints) return _mm512_castps_si512(out); else return out;
 }
 
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
