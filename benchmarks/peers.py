@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -55,6 +56,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from inferlab.common.process_memory import reset_peak_rss, tree_memory, tree_peak_rss  # noqa: E402
 
 MiB = 2**20
+HZ = os.sysconf("SC_CLK_TCK")  # /proc/*/stat counts CPU time in these ticks
 
 # name -> (concurrency, requests sent, input tokens, output tokens). The first round (one request per stream) is
 # warmup, left out of the statistics: with equal lengths a closed loop runs in rounds, and warmup requests sharing
@@ -199,8 +201,8 @@ def interleaved_c1(names: list[str], model: str, rounds: int, ready_timeout: flo
                 proc, base, t = up[name]
                 cpu0 = {n: tree_jiffies(p.pid) for n, (p, _, _) in up.items()}
                 _, tot0 = cpu_jiffies()
-                res, busy = run_bench(base, t.model_name, "c1", Path(tempfile.mkdtemp(prefix=f"peer-{name}-c1r-")),
-                                      quick)
+                res, busy, _ = run_bench(base, t.model_name, "c1", Path(tempfile.mkdtemp(prefix=f"peer-{name}-c1r-")),
+                                         quick)
                 _, tot1 = cpu_jiffies()
                 used = {n: (tree_jiffies(p.pid) - cpu0[n]) / max(1, tot1 - tot0) for n, (p, _, _) in up.items()}
                 rnd[name] = summarize(res) | {"machine_busy_frac": busy, "server_cpu_frac": used[name],
@@ -254,6 +256,24 @@ def tree_jiffies(pid: int) -> int:
     return total
 
 
+def thread_jiffies(pid: int) -> dict[str, int]:
+    """utime + stime of every thread of a process tree, summed by thread name (inferlab's server names its HTTP
+    thread inferlab-http; its engine and torch's workers keep the process's name)."""
+    by_name: dict[str, int] = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit() or not (int(p.name) == pid or _descends(int(p.name), pid)):
+            continue
+        for task in (p / "task").glob("*/stat"):
+            try:
+                stat = task.read_text()
+            except OSError:
+                continue
+            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
+            fields = rest.split()
+            by_name[name] = by_name.get(name, 0) + int(fields[11]) + int(fields[12])
+    return by_name
+
+
 def _descends(pid: int, ancestor: int) -> bool:
     seen = 0
     while pid > 1 and seen < 64:
@@ -286,7 +306,9 @@ class PeakMemory:
             pass
 
 
-def run_bench(base_url: str, model: str | None, wl: str, outdir: Path, quick: bool) -> tuple[dict, float]:
+def run_bench(base_url: str, model: str | None, wl: str, outdir: Path,
+              quick: bool) -> tuple[dict, float, float]:
+    """The bench's results, the machine's busy fraction while it ran, and the bench client's own CPU seconds."""
     conc, n, inp, out = WORKLOADS[wl]
     if quick:
         n = max(2 * conc, n // 3 // conc * conc)
@@ -297,11 +319,14 @@ def run_bench(base_url: str, model: str | None, wl: str, outdir: Path, quick: bo
     if model:
         cmd += ["--model", model]
     busy0, tot0 = cpu_jiffies()
+    children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     client = subprocess.Popen(cmd, cwd=ROOT)
     client.wait()
+    children1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the servers are not waited for until they stop
     busy1, tot1 = cpu_jiffies()
     res = json.loads((outdir / "results.json").read_text())
-    return res, (busy1 - busy0) / max(1, tot1 - tot0)
+    client_s = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
+    return res, (busy1 - busy0) / max(1, tot1 - tot0), client_s
 
 
 def summarize(res: dict) -> dict:
@@ -355,15 +380,18 @@ def main() -> int:
                 print(f"   idle: RSS {idle.rss / MiB:.0f} MiB, PSS {idle.pss / MiB:.0f} MiB (process tree)", flush=True)
                 for wl in args.workloads.split(","):
                     outdir = Path(tempfile.mkdtemp(prefix=f"peer-{name}-{wl}-"))
-                    server0 = tree_jiffies(proc.pid)
+                    server0, threads0 = tree_jiffies(proc.pid), thread_jiffies(proc.pid)
                     busy0, tot0 = cpu_jiffies()
                     with PeakMemory(proc.pid) as peak:
-                        res, busy_frac = run_bench(base, t.model_name, wl, outdir, args.quick)
+                        res, busy_frac, client_s = run_bench(base, t.model_name, wl, outdir, args.quick)
                     busy1, tot1 = cpu_jiffies()
                     server_frac = (tree_jiffies(proc.pid) - server0) / max(1, tot1 - tot0)
+                    threads = {n: (j - threads0.get(n, 0)) / HZ for n, j in thread_jiffies(proc.pid).items()}
                     row = summarize(res)
                     row["machine_busy_frac"] = busy_frac
                     row["server_cpu_frac"] = server_frac
+                    row["server_thread_cpu_s"] = {n: s for n, s in threads.items() if s > 0}
+                    row["client_cpu_s"] = client_s
                     row["idle_rss_bytes"], row["idle_pss_bytes"] = idle.rss, idle.pss
                     row["peak_rss_bytes"] = peak.rss
                     results[name][wl] = row
@@ -371,6 +399,10 @@ def main() -> int:
                           f"TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  "
                           f"ITL p50 {row['itl_p50_ms'] or 0:6.1f} p99 {row['itl_p99_ms'] or 0:6.1f} ms  "
                           f"busy {busy_frac:.2f} (server {server_frac:.2f})  peak RSS {peak.rss / MiB:.0f} MiB",
+                          flush=True)
+                    cpu = ", ".join(f"{n} {s:.1f}" for n, s in sorted(threads.items(), key=lambda kv: -kv[1])
+                                    if s >= 0.05)
+                    print(f"            CPU seconds: server threads {cpu or '0'}; bench client {client_s:.1f}",
                           flush=True)
         except RuntimeError as e:
             print(f"   {name}: {e}", flush=True)

@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from inferlab.common.thread_name import set_os_thread_name
 from inferlab.common.units import parse_bytes
 from inferlab.engine.config import EngineConfig
 from inferlab.server.http_limits import (DEFAULT_KEEP_ALIVE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES,
@@ -253,7 +254,11 @@ def _serve(args: argparse.Namespace, engine, engine_config: EngineConfig, keys: 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-    http = threading.Thread(target=server.run, name="inferlab-http")
+    def serve_http() -> None:
+        set_os_thread_name("inferlab-http")  # the engine keeps the process's name, as do torch's workers it starts
+        server.run()
+
+    http = threading.Thread(target=serve_http, name="inferlab-http")
     http.start()
     async_engine.run_engine(should_stop=lambda: not http.is_alive())
     if async_engine.error is not None:  # the requests in flight got their 503s; a supervisor restarts us
