@@ -80,6 +80,48 @@ def test_never_below_the_minimum_chunk_nor_slower_than_the_queue_drains():
     feed(budget, np.random.default_rng(3), 300)
     assert budget.tokens(1, 100) == 16
     assert budget.tokens(1, 100, backlog=8000) == 8000 // DRAIN_STEPS  # eight 1,000-token prompts waiting
+    # The rate holds while the queue drains (recomputed on what is left, a burst's last prompts waited ~3x as long)
+    # and a queue that grows past it raises it; an empty queue resets it.
+    assert budget.tokens(1, 100, backlog=4000) == 8000 // DRAIN_STEPS
+    assert budget.tokens(1, 100, backlog=16000) == 16000 // DRAIN_STEPS
+    assert budget.tokens(1, 100, backlog=0) == 16
+    assert budget.tokens(1, 100, backlog=4000) == 4000 // DRAIN_STEPS
+
+
+def test_a_burst_of_prompts_is_prefilled_within_the_drain_steps():
+    """Eight 1,000-token prompts arrive beside four decoding streams, at a ratio whose slack is a few tokens: the
+    queue clears in DRAIN_STEPS steps (the rate it set on arrival), not the ~3x it took at a rate recomputed on
+    what was left."""
+    budget = PrefillBudget(1.01, min_tokens=16)
+    feed(budget, np.random.default_rng(5), 300)
+    sched = Scheduler(BlockManager(2000, 16, enable_prefix_caching=False), max_num_seqs=64,
+                      max_num_batched_tokens=2048, prefill_budget=budget)
+    rng = np.random.default_rng(6)
+    decoding = [Sequence(f"d{i}", rng.integers(10, 30000, 64).tolist(), SamplingParams(max_tokens=10_000),
+                         RequestMetrics(0.0)) for i in range(4)]
+    for seq in decoding:
+        sched.add(seq)
+    run_step(sched)  # their prompts, alone: unbounded
+    prompts = [Sequence(f"p{i}", rng.integers(10, 30000, 1000).tolist(), SamplingParams(max_tokens=10_000),
+                        RequestMetrics(0.0)) for i in range(8)]
+    for seq in prompts:
+        sched.add(seq)
+    steps = 0
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in prompts):
+        batch = run_step(sched)
+        assert batch.num_decodes >= 4
+        steps += 1
+    assert steps == DRAIN_STEPS
+
+
+def run_step(sched: Scheduler) -> ScheduledBatch:
+    """One step: every sequence whose prompt is done samples one token."""
+    batch = sched.schedule()
+    sampled = {s: [7] for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens}
+    sched.update_from_output(batch, sampled)
+    for s, tokens in sampled.items():
+        s.token_ids.extend(tokens)
+    return batch
 
 
 def test_scheduler_keeps_steps_with_decodes_within_the_ratio():
@@ -101,15 +143,16 @@ def test_scheduler_keeps_steps_with_decodes_within_the_ratio():
 
     for _ in range(16):
         sched.add(new_seq())
-    ratios, done = [], 0
+    ratios, done, drain = [], 0, 0
     for _ in range(3000):
         backlog = sum(s.num_tokens - s.num_computed_tokens for s in [*sched.running, *sched.waiting]
                       if s.num_computed_tokens < s.num_tokens - 1)
+        drain = max(drain, -(-backlog // DRAIN_STEPS)) if backlog else 0  # the rate the queue set, held till empty
         batch: ScheduledBatch = sched.schedule()
         prefill = batch.num_tokens - batch.num_decodes
         dt = cost(batch.num_decodes, batch.num_attended, prefill)
         if batch.num_decodes and budget.coefficients() is not None:
-            ratios.append((dt / cost(batch.num_decodes, batch.num_attended, 0), prefill, backlog))
+            ratios.append((dt / cost(batch.num_decodes, batch.num_attended, 0), prefill, drain))
         sched.observe(batch, dt)
         sampled = {s: [7] for s, n in zip(batch.seqs, batch.num_new_tokens)
                    if s.num_computed_tokens + n == s.num_tokens}
@@ -123,7 +166,7 @@ def test_scheduler_keeps_steps_with_decodes_within_the_ratio():
     assert done > 300
     # Within the ratio, except beside the minimum chunk (16 tokens: 1.6x four decodes' step) or while the queue
     # is long enough to need DRAIN_STEPS steps at the budget
-    assert all(r <= 1.5 + 1e-6 or p <= max(budget.min_tokens, -(-b // DRAIN_STEPS)) for r, p, b in ratios)
+    assert all(r <= 1.5 + 1e-6 or p <= max(budget.min_tokens, d) for r, p, d in ratios)
     assert sum(r <= 1.5 + 1e-6 for r, _, _ in ratios) > 0.9 * len(ratios)
     assert sum(r > 1.2 for r, _, _ in ratios) > 100  # the budget is used, not starved
     # A fresh budget, before any step is measured (a server's first steps), bounds nothing.

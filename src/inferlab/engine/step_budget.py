@@ -23,12 +23,19 @@ which is where `e` is learnt).
 The slack alone starves prompts when they come faster than it prefills them: 8 streams of 1,000-token prompts at
 ratio 2 waited 7.9 s for their first token instead of 1.2 s, at 23% less throughput, and their decodes stalled no
 less (ITL p99 475 against 472 ms: once the queue holds every stream, nothing decodes and nothing bounds; measured
-served). So the budget is also at least the queue's prompt tokens over DRAIN_STEPS: a queue that the slack would
-take longer than that to clear is prefilled in bigger chunks, trading decode stalls for time to first token as an
-unbounded engine does. Too few steps and the bursts of a closed loop (16 streams finishing together and sending 16
-new prompts) pass the bound: 8 steps let 256-token chunks beside decodes through, the steps of its ITL p99. At 32
-(default ratio 1.5, served): 16 streams ITL p99 44 ms at 572 tok/s, 64 streams 108 ms at 785 tok/s, and the 8
-streams of 1,000-token prompts 2.5 s to first token at 128 tok/s (unbounded: 1.2 s, 120-126 tok/s, ITL p99 ~460).
+served). So the budget is also at least a drain rate, the queue's prompt tokens over DRAIN_STEPS: a queue that the
+slack would take longer than that to clear is prefilled in bigger chunks, trading decode stalls for time to first
+token as an unbounded engine does. Too few steps and the bursts of a closed loop (16 streams finishing together and
+sending 16 new prompts) pass the bound: 8 steps let 256-token chunks beside decodes through, the steps of its ITL
+p99. At 32 (default ratio 1.5, served): 16 streams ITL p99 44 ms at 572 tok/s, 64 streams 108 ms at 785 tok/s, and
+the 8 streams of 1,000-token prompts 2.5 s to first token at 128 tok/s (unbounded: 1.2 s, 120-126 tok/s, ITL p99
+~460).
+
+The rate is set when the queue grows and held until it empties. Recomputed each step on what was left, it fell by
+1/DRAIN_STEPS a step, so a burst took ~3.7x DRAIN_STEPS steps to clear (eight 1,000-token prompts: 118 steps), its
+last streams out of the decode batch all the while (a served 64-stream round prefilled its prompts over 90 steps).
+Held, 64 streams served 1.07-1.08x the tokens a second (bf16, and W8A8 with the 8-bit pool; time to first token p50
+-20%) and 16 streams as many, ITL p99 49.8 against 55 ms (docs/benchmarks.md, round 14).
 
 Multi-token queries of decoding sequences (speculative verification) count as prefill tokens: they cost the same.
 """
@@ -61,6 +68,7 @@ class PrefillBudget:
         # at saturation: 500-token chunks beside seven decodes).
         self._seen = np.zeros(2)
         self._coef: np.ndarray | None = None
+        self._drain = 0  # prompt tokens a step may prefill to clear the queue in DRAIN_STEPS steps (see tokens)
 
     @staticmethod
     def _features(decodes: int, attended: int, prefill: int) -> np.ndarray:
@@ -94,6 +102,8 @@ class PrefillBudget:
     def tokens(self, decodes: int, attended: int, backlog: int = 0) -> int | None:
         """Prefill tokens a step beside these decodes may carry, with `backlog` prompt tokens waiting to be
         computed; None: no bound (no decodes, or not fitted yet)."""
+        # held, not recomputed on what is left (see the module's docstring)
+        self._drain = max(self._drain, -(-backlog // DRAIN_STEPS)) if backlog > 0 else 0
         coef = self.coefficients()
         if decodes == 0 or coef is None:
             return None
@@ -102,7 +112,7 @@ class PrefillBudget:
         if per_token <= 0 or decode_only <= 0:  # a fit that does not see prefill cost anything: no basis to bound
             return None
         slack = int((self.ratio - 1.0) * decode_only / per_token)
-        return max(self.min_tokens, slack, -(-backlog // DRAIN_STEPS))
+        return max(self.min_tokens, slack, self._drain)
 
 
 def nonnegative_solve(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
