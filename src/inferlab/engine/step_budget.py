@@ -35,7 +35,7 @@ The rate is set when the queue grows and held until it empties. Recomputed each 
 1/DRAIN_STEPS a step, so a burst took ~3.7x DRAIN_STEPS steps to clear (eight 1,000-token prompts: 118 steps), its
 last streams out of the decode batch all the while (a served 64-stream round prefilled its prompts over 90 steps).
 Held, 64 streams served 1.07-1.08x the tokens a second (bf16, and W8A8 with the 8-bit pool; time to first token p50
--20%) and 16 streams as many, ITL p99 49.8 against 55 ms (docs/benchmarks.md, round 14).
+-15 to -20%) and 16 streams as many, ITL p99 49.8 against 55 ms (docs/benchmarks.md, round 14).
 
 Multi-token queries of decoding sequences (speculative verification) count as prefill tokens: they cost the same.
 """

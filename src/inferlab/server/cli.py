@@ -254,6 +254,7 @@ def _serve(args: argparse.Namespace, engine, engine_config: EngineConfig, keys: 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+
     def serve_http() -> None:
         set_os_thread_name("inferlab-http")  # the engine keeps the process's name, as do torch's workers it starts
         server.run()
