@@ -43,6 +43,14 @@ def test_top_k_and_top_p_cut_the_tail_and_renormalise():
     _assert_follows(_frequencies(tokens, 6), torch.cat([p[:3] / p[:3].sum(), torch.zeros(3, dtype=p.dtype)]))
 
 
+def test_a_top_p_below_float32s_smallest_keeps_the_most_likely_token():
+    """top_p = 1e-76 is valid (in (0, 1]) but 0 in a float32 tensor; it once masked every token, and the request
+    failed in the sampler (found by the server's schema fuzzer)."""
+    logits = torch.tensor([0.5, 3.0, 2.0, -1.0])
+    tokens = Sampler()(logits.expand(64, -1).clone(), [SamplingParams(top_p=1e-76)] * 64, [None] * 64)
+    assert tokens.tolist() == [1] * 64
+
+
 def test_zero_probability_tokens_are_never_drawn():
     probs = torch.tensor([[0.0, 0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 2.0], [5.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     tokens = sample_from(probs.repeat(N // 3, 1), [None] * (N // 3 * 3)).view(-1, 3)

@@ -39,8 +39,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         drop |= torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0) >= k
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
-        # Keep a token if the mass before it is below p (so the first token is always kept).
+        # Keep a token if the mass before it is below p. The first token always: a valid p under float32's
+        # smallest (1e-76 from a fuzzer) is 0 in the tensor, and 0 >= 0 dropped every token (a 500, not a token).
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
     mask = torch.empty_like(drop).scatter_(1, sorted_idx, drop)
     return logits.masked_fill(mask, float("-inf"))
 
