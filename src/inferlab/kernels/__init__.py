@@ -1,5 +1,5 @@
 """inferlab's own CPU kernels, compiled on first use with torch's extension builder (cached under
-~/.cache/torch_extensions, rebuilt when the source changes).
+$TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions, rebuilt when the source changes).
 
 Where the build cannot run (no C++ compiler, a torch without headers) the engine logs why once and uses its
 pure-torch path, which computes the same thing more slowly. INFERLAB_KERNELS=0 forces that path (for A/B runs).
@@ -7,9 +7,11 @@ pure-torch path, which computes the same thing more slowly. INFERLAB_KERNELS=0 f
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -38,11 +40,29 @@ def cpu_kernels():
 
 def build_kernels(source_dir: Path, name: str):
     """The module compiled from every .cpp in source_dir, loaded as `name` (benchmarks build an earlier revision's
-    beside this one's, to time both in one process: its own files, not this tree's list)."""
-    from torch.utils.cpp_extension import load
+    beside this one's, to time both in one process: its own files, not this tree's list).
 
-    return load(name=name, sources=sorted(str(f) for f in source_dir.glob("*.cpp")), extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    torch marks a build in progress with a file (`lock` in the build directory) that only the builder removes: a
+    process killed mid-build leaves it, and every later process then waits on it forever. So our processes first
+    take an flock, which the kernel drops when its holder dies; whoever holds it knows no one of ours is building,
+    and a `lock` found then is stale."""
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    # torch's own layout under its default root: one folder per Python and accelerator, so venvs sharing
+    # ~/.cache do not load each other's builds.
+    accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    variant = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}"
+    build_dir = (root if "TORCH_EXTENSIONS_DIR" in os.environ else root / variant) / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "inferlab.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that was killed", stale)
+            stale.unlink()
+        return load(name=name, sources=sorted(str(f) for f in source_dir.glob("*.cpp")), extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 def kernels_for(*tensors: torch.Tensor):
