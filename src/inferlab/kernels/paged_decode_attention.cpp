@@ -199,6 +199,67 @@ inline void accumulate_pv(float (&acc)[G][64 * C], const float (&p)[G][kTile], c
   }
 }
 
+// The int8 pool's P.V on VNNI. A tile's value rows are widened to int16 once for every row and query head, in
+// pairs of keys interleaved dim by dim (vi[j / 2]: for each 16 dims, keys j and j + 1 side by side), so that one
+// vpdpwssd multiplies 16 dims by two keys' weights and sums both in int32. Each head's weights (already times
+// their value rows' scales, 0 past the tile's valid keys) are rounded to int16 against their largest, as the
+// queries are for the scores (an error under 1/65,534 of it, far below the values' own int8 rounding of 1/254);
+// the tile's int32 sums are then scaled back and added to the fp32 accumulators: 32 multiply-adds an instruction
+// against 16 in fp32, and no widening to fp32 per key.
+template <int64_t G, int64_t C>
+inline void accumulate_pv_int16(float (&acc)[G][64 * C], const float (&p)[G][kTile], const float* corr, int64_t n,
+                                const int16_t (&vi)[kTile / 2][64 * C * 2]) {
+  alignas(64) int16_t w[G][kTile];
+  float w_scale[G];
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 pg = _mm512_load_ps(p[g]);
+    const float top = _mm512_reduce_max_ps(pg);  // weights are >= 0
+    const float to_int = top > 0.f ? 32767.f / top : 0.f;
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w[g]),
+                       _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(pg, _mm512_set1_ps(to_int)))));
+    w_scale[g] = top / 32767.f;
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    __m512i a[G][4];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < 4; ++r) a[g][r] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < (n + 1) / 2; ++j) {
+      __m512i v[4];
+      for (int64_t r = 0; r < 4; ++r) v[r] = _mm512_load_si512(&vi[j][2 * (64 * c + 16 * r)]);
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, &w[g][2 * j], sizeof(pair));
+        const __m512i wp = _mm512_set1_epi32(pair);
+        for (int64_t r = 0; r < 4; ++r) a[g][r] = _mm512_dpwssd_epi32(a[g][r], wp, v[r]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < 4; ++r) {
+        float* out = &acc[g][64 * c + 16 * r];
+        _mm512_store_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[g][r]), _mm512_set1_ps(w_scale[g]),
+                                             _mm512_mul_ps(_mm512_load_ps(out), _mm512_set1_ps(corr[g]))));
+      }
+  }
+}
+
+// Value rows j and j + 1 of a tile (b null: a zero row) widened to int16 and interleaved for vpdpwssd: out holds,
+// for each 16 dims, the two keys' values side by side. unpacklo/hi_epi16 interleave within each 128-bit lane, so
+// each 32-dim half is first permuted by quadwords (dims 0-3, 16-19, 4-7, 20-23, ...): then the low unpack is dims
+// 0-15 in order and the high one dims 16-31.
+template <int64_t D>
+inline void interleave_value_pair(const int8_t* a, const int8_t* b, int16_t* out) {
+  const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+  for (int64_t h = 0; h < D / 32; ++h) {
+    const __m512i x = _mm512_permutexvar_epi64(
+        order, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * h))));
+    const __m512i y = b == nullptr ? _mm512_setzero_si512()
+                                   : _mm512_permutexvar_epi64(order, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                                                         reinterpret_cast<const __m256i*>(b + 32 * h))));
+    _mm512_store_si512(out + 64 * h, _mm512_unpacklo_epi16(x, y));
+    _mm512_store_si512(out + 64 * h + 32, _mm512_unpackhi_epi16(x, y));
+  }
+}
+
 // Rows of one sequence's new tokens (a prefill chunk, a prefix-cache extend, speculative proposals) come as
 // consecutive rows, each attending to keys 0..its position: row i + 1 has one key more than row i, through the same
 // blocks. decode_bf16 takes such a run up to kMaxRows rows at a time, so each 16-key tile it reads from the pool
@@ -480,8 +541,8 @@ bool decode_bf16_simd(const at::BFloat16* q, const at::BFloat16* kc, const at::B
 // VNNI: each query head is rounded to int16 against its own largest element (an error under 1/65,534 of it, far below
 // the keys' own int8 rounding of 1/254), each 16-key tile's K rows are widened to int16 once for the run (vpmovsxbw),
 // and vpdpwssd sums 32 products an instruction, exactly in int32; a score is then scaled by its query's and its key's
-// scale (one load: a block keeps its scales together). Each softmax weight is scaled by its value row's scale before
-// P.V in fp32. The pool read is half of bf16's.
+// scale (one load: a block keeps its scales together). Each softmax weight is scaled by its value row's scale, and
+// P.V runs in int16 too (accumulate_pv_int16). The pool read is half of bf16's.
 template <typename T, int64_t G, int64_t C>
 void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc, const RowRun& run, int64_t h,
                  int64_t k0, int64_t k1, Softmax<G, 64 * C>& st) {
@@ -491,7 +552,7 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
   alignas(64) float p[kMaxRows][G][kTile];
   alignas(64) int16_t qi[kMaxRows][G][D];
   alignas(64) int16_t kw[kTile][D];
-  alignas(64) float vf[kTile][D];
+  alignas(64) int16_t vi[kTile / 2][2 * D];
   float q_scale[kMaxRows][G];
   float corr[kMaxRows][G];
   for (int64_t r = 0; r < R; ++r)
@@ -516,17 +577,13 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
     const float* v_scales = reinterpret_cast<const float*>(vb + BS * D);
     for (int64_t t0 = 0; t0 < std::min(BS, end - start); t0 += kTile) {
       const int64_t n = std::min({kTile, BS - t0, end - start - t0});
-      const auto widen = [](const int8_t* row, int64_t c) {
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
-      };
       for (int64_t j = 0; j < n; ++j)
         for (int64_t c = 0; c < 2 * C; ++c) {
           const auto* row = reinterpret_cast<const __m256i*>(kb + (t0 + j) * D + 32 * c);
           _mm512_store_si512(&kw[j][32 * c], _mm512_cvtepi8_epi16(_mm256_loadu_si256(row)));
         }
-      if (R > 1)  // the tile's V rows widened once for all the run's rows
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t c = 0; c < 4 * C; ++c) _mm512_store_ps(&vf[j][16 * c], widen(vb + (t0 + j) * D, c));
+      for (int64_t j = 0; j < n; j += 2)  // the tile's V rows, once for all the run's rows and heads
+        interleave_value_pair<D>(vb + (t0 + j) * D, j + 1 < n ? vb + (t0 + j + 1) * D : nullptr, vi[j / 2]);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t nr = std::min(n, pg.lens[run.first + r] - start - t0);  // see attend_bf16
         if (nr <= 0) continue;
@@ -548,15 +605,7 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
                                          _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[r][g])));
           _mm512_store_ps(p[r][g], _mm512_mul_ps(softmax_tile(s, valid, st.m[r][g], st.l[r][g], corr[r][g]), vs));
         }
-        if (R > 1) {
-          accumulate_pv<G, C>(st.acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
-            for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
-          });
-        } else {
-          accumulate_pv<G, C>(st.acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
-            for (int64_t k = 0; k < 4; ++k) v[k] = widen(vb + (t0 + j) * D + 64 * c, k);
-          });
-        }
+        accumulate_pv_int16<G, C>(st.acc[r], p[r], corr[r], nr, vi);
       }
     }
   }
