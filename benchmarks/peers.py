@@ -122,6 +122,10 @@ def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> d
         "inferlab-kv8": Target("inferlab-kv8", serve + ["--kv-cache-dtype", "int8"] + extra.get("inferlab-kv8", [])),
         "inferlab-w8a8-kv8": Target("inferlab-w8a8-kv8", serve + ["--quantization", "w8a8", "--kv-cache-dtype",
                                     "int8"] + extra.get("inferlab-w8a8-kv8", [])),
+        # every throughput setting at once: both 8-bit options and no bound on decode stalls
+        "inferlab-w8a8-kv8-unbounded": Target("inferlab-w8a8-kv8-unbounded", serve + [
+            "--quantization", "w8a8", "--kv-cache-dtype", "int8", "--decode-stall-ratio", "none"]
+            + extra.get("inferlab-w8a8-kv8-unbounded", [])),
         "vllm": Target("vllm", ["bash", str(shared), str(port)] + extra.get("vllm", []), "smollm2"),
         "llamacpp": Target("llamacpp", [str(llama_venv / "bin" / "python"), "-m", "llama_cpp.server", "--model",
                                         gguf, "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2",
