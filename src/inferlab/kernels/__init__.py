@@ -48,12 +48,12 @@ def build_kernels(source_dir: Path, name: str):
     and a `lock` found then is stale."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     # torch's own layout under its default root: one folder per Python and accelerator, so venvs sharing
     # ~/.cache do not load each other's builds.
     accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
     variant = f"py{sys.version_info.major}{sys.version_info.minor}_{accelerator}"
-    build_dir = (root if "TORCH_EXTENSIONS_DIR" in os.environ else root / variant) / name
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    build_dir = (Path(chosen) if chosen else Path(get_default_build_root()) / variant) / name
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "inferlab.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)

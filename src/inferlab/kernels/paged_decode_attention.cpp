@@ -249,12 +249,13 @@ inline void accumulate_pv_int16(float (&acc)[G][64 * C], const float (&p)[G][kTi
 template <int64_t D>
 inline void interleave_value_pair(const int8_t* a, const int8_t* b, int16_t* out) {
   const __m512i order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
+  const auto widened = [&](const int8_t* row, int64_t h) {
+    return _mm512_permutexvar_epi64(
+        order, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * h))));
+  };
   for (int64_t h = 0; h < D / 32; ++h) {
-    const __m512i x = _mm512_permutexvar_epi64(
-        order, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * h))));
-    const __m512i y = b == nullptr ? _mm512_setzero_si512()
-                                   : _mm512_permutexvar_epi64(order, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                                                         reinterpret_cast<const __m256i*>(b + 32 * h))));
+    const __m512i x = widened(a, h);
+    const __m512i y = b == nullptr ? _mm512_setzero_si512() : widened(b, h);
     _mm512_store_si512(out + 64 * h, _mm512_unpacklo_epi16(x, y));
     _mm512_store_si512(out + 64 * h + 32, _mm512_unpackhi_epi16(x, y));
   }
