@@ -65,16 +65,19 @@ constexpr int64_t kPrefetchBlocks = 4;
 
 // Blocks are scattered: while block `blk` computes, fetch the K and V blocks kPrefetchBlocks ahead (the first block,
 // `first`, fetches the ones before too), up to the key `end`. Four ahead instead of one: batch 1 at 160 tokens
-// 16.8 -> 12.0 us a layer, larger batches unchanged (measured). kc, vc: the (head's) pool in bytes; block_bytes: one
-// block of one head.
+// 16.8 -> 12.0 us a layer, larger batches unchanged (measured). Into L2 (prefetcht1), not L1: 64 sequences of 192
+// keys, the pool scattered on huge pages, 15.0-16.0 -> 10.6-11.0 ms for 30 layers (int8 pool), 21.5-21.8 -> 15.8-17.1
+// (bf16); 2 or 8 blocks ahead were no better (docs/benchmarks.md, round 16). Each tile reads its lines once, so L2
+// is near enough, and requests into L1 hold its few miss buffers while the loads wait. kc, vc: the (head's) pool in
+// bytes; block_bytes: one block of one head.
 inline void prefetch_ahead(const char* kc, const char* vc, const int64_t* table, int64_t blk, int64_t first,
                            int64_t end, int64_t BS, int64_t head_base, int64_t block_bytes) {
   for (int64_t ahead = blk == first ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
     if ((blk + ahead) * BS >= end) break;
     const int64_t next = (head_base + table[blk + ahead]) * block_bytes;
     for (int64_t off = 0; off < block_bytes; off += 64) {
-      __builtin_prefetch(kc + next + off);
-      __builtin_prefetch(vc + next + off);
+      __builtin_prefetch(kc + next + off, 0, 2);
+      __builtin_prefetch(vc + next + off, 0, 2);
     }
   }
 }
@@ -164,16 +167,26 @@ void decode(const T* q, const P* kc, const P* vc, const int64_t* tables, const i
 // here; with the pool in cache 2.4 ms, so the rest is waiting on memory (measured, /tmp harness, not committed).
 constexpr int64_t kTile = 16;
 
-// One tile's online-softmax step for one query head, s its scores (lanes past `valid` ignored): updates the running
-// max m and sum l, sets corr (what the head's accumulator is scaled by: 0 on the first tile, m = -inf) and returns
-// the tile's weights exp(s - m), 0 past `valid`.
-inline __m512 softmax_tile(__m512 s, __mmask16 valid, float& m, float& l, float& corr) {
-  const float bm = std::max(m, _mm512_mask_reduce_max_ps(valid, s));
-  corr = expf(m - bm);
-  const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
-  l = l * corr + _mm512_reduce_add_ps(e);
-  m = bm;
-  return e;
+// One tile's online-softmax step for a row's G query heads, s[g] head g's scores (lanes past `valid` ignored):
+// updates each head's running max m and sum l, sets corr (what a head's accumulator is scaled by: 0 on the first
+// tile, m = -inf, as exp16 clamps to ~1e-38 times a zero accumulator) and turns s[g] into the tile's weights
+// exp(s - m), 0 past `valid`. The G corrections are one exp16: a scalar expf each was ~10% of the int8 path's time
+// with the pool in cache (perf).
+template <int64_t G>
+inline void softmax_tiles(__m512 (&s)[G], __mmask16 valid, float* m, float* l, float* corr) {
+  static_assert(G <= 16);
+  alignas(64) float was[16] = {}, now[16] = {}, c[16];
+  for (int64_t g = 0; g < G; ++g) {
+    was[g] = m[g];
+    now[g] = std::max(m[g], _mm512_mask_reduce_max_ps(valid, s[g]));
+  }
+  _mm512_store_ps(c, exp16(_mm512_sub_ps(_mm512_load_ps(was), _mm512_load_ps(now))));
+  for (int64_t g = 0; g < G; ++g) {
+    s[g] = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s[g], _mm512_set1_ps(now[g]))));
+    l[g] = l[g] * c[g] + _mm512_reduce_add_ps(s[g]);
+    m[g] = now[g];
+    corr[g] = c[g];
+  }
 }
 
 // acc[g] = acc[g] * corr[g] + sum_j p[g][j] * v_j over a tile's n value rows, with the accumulators in registers
@@ -198,6 +211,10 @@ inline void accumulate_pv(float (&acc)[G][64 * C], const float (&p)[G][kTile], c
       for (int64_t r = 0; r < 4; ++r) _mm512_store_ps(&acc[g][64 * c + 16 * r], a[g][r]);
   }
 }
+
+// 16 query elements as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return load_bf16x16(p); }
 
 // The int8 pool's P.V on VNNI. A tile's value rows are widened to int16 once for every row and query head, in
 // pairs of keys interleaved dim by dim (vi[j / 2]: for each 16 dims, keys j and j + 1 side by side), so that one
@@ -467,6 +484,7 @@ void attend_bf16(const Paged& pg, const uint16_t* q, const uint16_t* kc, const u
         if (nr <= 0) continue;  // an earlier row, done: its keys ended before this tile
         const __mmask16 valid = first_lanes(nr);
         const uint16_t* qr = q + (run.first + r) * H * D + h * G * D;
+        __m512 s[G];
         for (int64_t g = 0; g < G; ++g) {
           __m512bh qv[2 * C];
           for (int64_t c = 0; c < 2 * C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qr + g * D + 32 * c);
@@ -478,9 +496,10 @@ void attend_bf16(const Paged& pg, const uint16_t* q, const uint16_t* kc, const u
                 dp = _mm512_dpbf16_ps(dp, qv[c], (__m512bh)_mm512_loadu_si512(kt + j * D + 32 * c));
             part[j] = dp;
           }
-          const __m512 s = _mm512_mul_ps(sum_lanes_of_16(part), _mm512_set1_ps(pg.scale));
-          _mm512_store_ps(p[r][g], softmax_tile(s, valid, st.m[r][g], st.l[r][g], corr[r][g]));
+          s[g] = _mm512_mul_ps(sum_lanes_of_16(part), _mm512_set1_ps(pg.scale));
         }
+        softmax_tiles<G>(s, valid, st.m[r], st.l[r], corr[r]);
+        for (int64_t g = 0; g < G; ++g) _mm512_store_ps(p[r][g], s[g]);
         if (R > 1) {
           accumulate_pv<G, C>(st.acc[r], p[r], corr[r], nr, [&](int64_t j, int64_t c, __m512* v) {
             for (int64_t k = 0; k < 4; ++k) v[k] = _mm512_load_ps(&vf[j][64 * c + 16 * k]);
@@ -558,11 +577,19 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
   float corr[kMaxRows][G];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t at = ((run.first + r) * H + h * G + g) * D;
-      float top = 0.f;
-      for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(load(q, at + d)));
-      const float to_int = top > 0.f ? 32767.f / top : 0.f;
-      for (int64_t d = 0; d < D; ++d) qi[r][g][d] = static_cast<int16_t>(std::nearbyint(load(q, at + d) * to_int));
+      // In vectors: the scalar loop's chain of maxes was ~15% of this function's time in cache (perf). The same
+      // bits: vcvtps2dq rounds to nearest even, as nearbyint does.
+      const T* qh = q + ((run.first + r) * H + h * G + g) * D;
+      __m512 x[4 * C], most = _mm512_setzero_ps();
+      for (int64_t c = 0; c < 4 * C; ++c) {
+        x[c] = load16(qh + 16 * c);
+        most = _mm512_max_ps(most, _mm512_abs_ps(x[c]));
+      }
+      const float top = _mm512_reduce_max_ps(most);
+      const __m512 to_int = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+      for (int64_t c = 0; c < 4 * C; ++c)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(&qi[r][g][16 * c]),
+                           _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[c], to_int))));
       q_scale[r][g] = top > 0.f ? pg.scale * top / 32767.f : 0.f;
     }
   st.reset(R);
@@ -591,6 +618,7 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
         const __mmask16 valid = first_lanes(nr);
         const __m512 ks = _mm512_maskz_loadu_ps(valid, k_scales + t0);
         const __m512 vs = _mm512_maskz_loadu_ps(valid, v_scales + t0);
+        __m512 s[G];
         for (int64_t g = 0; g < G; ++g) {
           __m512i qv[2 * C];
           for (int64_t c = 0; c < 2 * C; ++c) qv[c] = _mm512_load_si512(&qi[r][g][32 * c]);
@@ -602,10 +630,11 @@ void attend_int8(const Paged& pg, const T* q, const int8_t* kc, const int8_t* vc
                 dp = _mm512_dpwssd_epi32(dp, qv[c], _mm512_load_si512(&kw[j][32 * c]));
             part[j] = dp;
           }
-          const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lanes_of_16(part)),
-                                         _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[r][g])));
-          _mm512_store_ps(p[r][g], _mm512_mul_ps(softmax_tile(s, valid, st.m[r][g], st.l[r][g], corr[r][g]), vs));
+          s[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(sum_lanes_of_16(part)),
+                               _mm512_mul_ps(ks, _mm512_set1_ps(q_scale[r][g])));
         }
+        softmax_tiles<G>(s, valid, st.m[r], st.l[r], corr[r]);
+        for (int64_t g = 0; g < G; ++g) _mm512_store_ps(p[r][g], _mm512_mul_ps(s[g], vs));
         accumulate_pv_int16<G, C>(st.acc[r], p[r], corr[r], nr, vi);
       }
     }
