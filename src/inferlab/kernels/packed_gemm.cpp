@@ -17,11 +17,14 @@
 // at 16 and 1.02x at 64, both layouts on huge pages (three runs of `python benchmarks/linear_kernels.py --against
 // REV`, docs/benchmarks.md, round 12). Each output still sums its products in the same order at every step size.
 //
-// No software prefetch: the hardware prefetcher follows the stream. Each tile used to ask for all of its weights
-// first (36-98 KiB, more than L1, so the early lines were evicted before use and the requests queued ahead of the
-// loads). Dropping that made the 30 layers 1.06-1.12x faster at 1 token in three runs, 0.93-1.26x at 2-16 (the
-// host's swing), and the LM head 1.11-1.32x (`python benchmarks/linear_kernels.py --against 7e1d74a`;
-// docs/benchmarks.md, round 11).
+// Software prefetch at one token only, and only a short way ahead into L2. Each tile used to ask for all of its
+// weights first (36-98 KiB, more than L1, so the early lines were evicted before use and the requests queued ahead
+// of the loads); dropping that made the 30 layers 1.06-1.12x faster at 1 token in three runs, 0.93-1.26x at 2-16
+// (the host's swing), and the LM head 1.11-1.32x (`python benchmarks/linear_kernels.py --against 7e1d74a`;
+// docs/benchmarks.md, round 11). At one token a line is one vdpbf16ps, so the loads outrun what the hardware
+// prefetcher has asked for: a request kPrefetchAhead bytes down the stream (prefetcht1, one a line) took a served
+// decode step from 6.8-7.1 to 6.0-6.2 ms; 4 KiB ahead or into L1 was slower, and at 2-8 tokens the same request
+// cost 3-13% (docs/benchmarks.md, round 16).
 
 #include "cpu_common.h"
 
@@ -34,6 +37,7 @@ constexpr int64_t kBlock = 16;                    // outputs per line: one vdpbf
 constexpr int64_t kTileBlocks = 2;                // blocks per tile
 constexpr int64_t kTile = kBlock * kTileBlocks;  // outputs per packed tile
 constexpr int64_t kTokens = 8;      // tokens per register tile
+constexpr int64_t kPrefetchAhead = 1024;  // bytes, at one token (see the header)
 
 #if defined(INFERLAB_AVX512_BF16)
 inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) { inferlab::store_bf16x16(p, v, mask); }
@@ -48,6 +52,10 @@ inline void tile(const at::BFloat16* x, int64_t K, const uint16_t* w, Out* y, in
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // pairs of bf16 activations
   for (int64_t kp = 0; kp < K / 2; ++kp) {
+    if constexpr (MB == 1) {  // past the tile's end, the thread's next tile: the stream goes on
+      const char* ahead = reinterpret_cast<const char*>(w + kp * 2 * kTile) + kPrefetchAhead;
+      for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + 64 * j, 0, 2);
+    }
     __m512i wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + kp * 2 * kTile + j * 2 * kBlock);
     for (int m = 0; m < MB; ++m) {
