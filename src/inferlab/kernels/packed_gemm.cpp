@@ -22,9 +22,9 @@
 // of the loads); dropping that made the 30 layers 1.06-1.12x faster at 1 token in three runs, 0.93-1.26x at 2-16
 // (the host's swing), and the LM head 1.11-1.32x (`python benchmarks/linear_kernels.py --against 7e1d74a`;
 // docs/benchmarks.md, round 11). At one token a line is one vdpbf16ps, so the loads outrun what the hardware
-// prefetcher has asked for: a request kPrefetchAhead bytes down the stream (prefetcht1, one a line) took a served
-// decode step from 6.8-7.1 to 6.0-6.2 ms; 4 KiB ahead or into L1 was slower, and at 2-8 tokens the same request
-// cost 3-13% (docs/benchmarks.md, round 16).
+// prefetcher has asked for: a request kPrefetchAhead bytes down the stream (prefetcht1, one a line) took an
+// engine's one-token step from 6.8-7.1 to 6.0-6.2 ms in a fast host state and left it level in a slow one; 4 KiB
+// ahead or into L1 was slower, and at 2-8 tokens the same request cost 3-13% (docs/benchmarks.md, round 16).
 
 #include "cpu_common.h"
 

@@ -168,10 +168,10 @@ void decode(const T* q, const P* kc, const P* vc, const int64_t* tables, const i
 constexpr int64_t kTile = 16;
 
 // One tile's online-softmax step for a row's G query heads, s[g] head g's scores (lanes past `valid` ignored):
-// updates each head's running max m and sum l, sets corr (what a head's accumulator is scaled by: 0 on the first
-// tile, m = -inf, as exp16 clamps to ~1e-38 times a zero accumulator) and turns s[g] into the tile's weights
-// exp(s - m), 0 past `valid`. The G corrections are one exp16: a scalar expf each was ~10% of the int8 path's time
-// with the pool in cache (perf).
+// updates each head's running max m and sum l, sets corr (what a head's accumulator is scaled by; on the first
+// tile, m = -inf, exp16's clamp makes it ~1e-38, which scales a zero accumulator and sum) and turns s[g] into the
+// tile's weights exp(s - m), 0 past `valid`. The G corrections are one exp16: a scalar expf each was ~10% of the
+// int8 path's time with the pool in cache (perf).
 template <int64_t G>
 inline void softmax_tiles(__m512 (&s)[G], __mmask16 valid, float* m, float* l, float* corr) {
   static_assert(G <= 16);
