@@ -6,7 +6,11 @@ it, as after a while of serving. One pass = the 30 layers' paged_decode_attentio
 two pools alternate pass by pass, so a shift in the host's speed meets both. Prints ms a pass (median of the
 passes) and the pool bytes read a second.
 
-    python benchmarks/decode_attention.py [--batches 1 16 64] [--context 192] [--passes 30]
+    python benchmarks/decode_attention.py [--batches 1 16 64] [--context 192] [--passes 30] [--tables scattered]
+
+`--tables` places each sequence's blocks: `scattered` over the pool (the default, as after a while of serving),
+`ordered` (each sequence's blocks one after another, as for prompts that arrive together), or `shared` (every
+sequence reads the same blocks: the pool stays in cache, so what is left is the kernel's arithmetic).
 
 `--extend 0+512 1000+128 3000+128` times instead the rows of one sequence's new tokens (P cached keys, then S rows,
 row i attending to keys 0..P+i, as engine/model_runner.py runs a prefill chunk, prefix-cache extend or verification)
@@ -59,6 +63,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--passes", type=int, default=30)
+    ap.add_argument("--tables", choices=["scattered", "ordered", "shared"], default="scattered",
+                    help="where each sequence's blocks lie (default mode only)")
     ap.add_argument("--extend", nargs="+", metavar="P+S", help="cached keys + new rows of one sequence")
     ap.add_argument("--against", metavar="REV", help="time this tree's kernel against git revision REV's")
     ap.add_argument("--contexts", type=int, nargs="+", help="with --against: the context lengths (default --context)")
@@ -74,12 +80,14 @@ def main() -> None:
                 args.contexts or [args.context], args.passes)
         return
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, context {args.context}, "
-          f"pool {num_blocks} blocks of {BLOCK}; median of {args.passes} passes")
+          f"pool {num_blocks} blocks of {BLOCK}, {args.tables}; median of {args.passes} passes")
     print("| batch | bf16 ms | int8 ms | bf16 GB/s | int8 GB/s | bf16 / int8 |")
     print("|---|---|---|---|---|---|")
     for B in args.batches:
         nblk = -(-args.context // BLOCK)
-        tables = torch.randperm(num_blocks)[:B * nblk].view(B, nblk)
+        tables = {"scattered": torch.randperm(num_blocks)[:B * nblk].view(B, nblk),
+                  "ordered": torch.arange(B * nblk).view(B, nblk),
+                  "shared": torch.arange(nblk).expand(B, nblk).contiguous()}[args.tables]
         lens = torch.full((B,), args.context, dtype=torch.long)
         q = torch.randn(B, HEADS, DIM).to(torch.bfloat16)
         times = {name: [] for name in layers}
