@@ -15,9 +15,9 @@ w8a8`'s kernel (kernels/w8a8_gemm.cpp: int8 weights, activations rounded to int8
 the weight-only int8 kernel the int8 mode uses for small steps (up to 64 rows); their GB/s count the int8 bytes. A
 last line times the int8 LM head the int4 mode keeps (49152 x 576, inferlab's int8 kernel) at one token.
 
-`--against REV` times instead this tree's packed kernels (bf16 and w8a8) against git revision REV's (built beside
-them from `git archive`), pass by pass alternately, for every --rows, then the bf16 LM head (49152 x 576, fp32
-logits) at one row; it checks the two give the same bits.
+`--against REV` times instead this tree's packed kernels (bf16 and w8a8) and int4 kernel against git revision
+REV's (built beside them from `git archive`), pass by pass alternately, for every --rows, then the bf16 LM head
+(49152 x 576, fp32 logits) at one row; it checks the two give the same bits.
 
     python benchmarks/linear_kernels.py --against 7e1d74a --rows 1 2 4 8 16 64
 
@@ -76,10 +76,7 @@ def main() -> None:
     kernels = gemv_kernels()
     ours = [[pack_bf16(w) for w in layer] for layer in weights] if kernels is not None else None
     nbytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
-    q4 = [(torch.randint(0, 256, (o, i // 2), dtype=torch.uint8, generator=g),
-           (torch.rand(o, i // 32, generator=g) * 0.01).half().view(torch.int16),
-           (torch.rand(o, i // 32, generator=g) * -0.1).half().view(torch.int16))
-          for _ in range(args.layers) for o, i in SHAPES]
+    q4 = [random_q4_1(g, o, i) for _ in range(args.layers) for o, i in SHAPES]
     q4_bytes = sum(q.numel() + 2 * d.numel() * 2 for q, d, _ in q4)
     q8 = [quantize_int8(w) for layer in weights for w in layer]
     w8 = [(pack_w8a8(q), s, q.shape[0]) for q, s in q8]
@@ -140,6 +137,13 @@ def main() -> None:
         print(f"int8 LM head 49152 x 576, 1 token: {t * 1e3:.3f} ms, {head.numel() / t / 1e9:.1f} GB/s", flush=True)
 
 
+def random_q4_1(g: torch.Generator, out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:
+    """Random Q4_1 nibbles, scales and minimums (fp16 bits) of a weight's shape, group 32."""
+    return (torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8, generator=g),
+            (torch.rand(out_features, in_features // 32, generator=g) * 0.01).half().view(torch.int16),
+            (torch.rand(out_features, in_features // 32, generator=g) * -0.1).half().view(torch.int16))
+
+
 def bf16_layout_for(kernels, w: torch.Tensor) -> torch.Tensor:
     """w packed as `kernels`' packed_linear takes it: this tree's pack_bf16, or the layout before round 12 (blocks
     of 16 outputs, each block's lines in a run of their own) where that kernel's shape check rejects the new one."""
@@ -170,9 +174,12 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
     outs = [w.shape[0] for w in weights]
     w8 = huge_page_copies([t for q, s in map(quantize_int8, weights) for t in (pack_w8a8(q), s)])
     w8 = [(w8[2 * i], w8[2 * i + 1], n) for i, n in enumerate(outs)]
+    q4 = huge_page_copies([t for w in weights for t in random_q4_1(g, *w.shape)])
+    q4 = [tuple(q4[3 * i:3 * i + 3]) for i in range(len(weights))]
     cases = {
         "bf16": lambda m, xs: [m.packed_linear(xs[p.shape[1] * 2], p, n, False) for p, n in zip(packs[m], outs)],
         "w8a8": lambda m, xs: [m.w8a8_linear(xs[p.shape[1] * 4], p, s, n) for p, s, n in w8],
+        "int4": lambda m, xs: [m.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32) for q, d, mn in q4],
     }
     print(f"{torch.get_num_threads()} threads; {layers} layers' matmuls a pass (SmolLM2-135M's shapes); median of "
           f"{passes} passes; this tree against {rev}")

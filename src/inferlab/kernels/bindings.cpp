@@ -41,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("group", &PlanLinear::group)
       .def_readwrite("kernel_max_tokens", &PlanLinear::kernel_max_tokens)
       .def_readwrite("packed", &PlanLinear::packed)
+      .def_readwrite("onednn", &PlanLinear::onednn)
+      .def_readwrite("onednn_min_tokens", &PlanLinear::onednn_min_tokens)
       .def_readwrite("out_features", &PlanLinear::out_features);
   pybind11::class_<PlanLayer>(m, "PlanLayer", pybind11::module_local())
       .def(pybind11::init<>())

@@ -41,6 +41,16 @@ torch::Tensor activation(const torch::Tensor& gate_up, bool gelu) {
 
 }  // namespace
 
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  // Through the dispatcher, boxed: the op is registered by torch's oneDNN integration, not declared in its headers.
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue("none"), c10::List<std::optional<at::Scalar>>(),
+                          c10::IValue("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // x: [T, hidden] embeddings of T decode tokens (one per sequence) -> (hidden, residual) after the last layer,
 // before the final norm (the model's own RMSNorm adds them).
 std::tuple<torch::Tensor, torch::Tensor> decode_layers(const DecodePlan& plan, torch::Tensor x, torch::Tensor cos,

@@ -8,12 +8,17 @@
 #include <tuple>
 #include <vector>
 
+// torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""): x [T, K] bf16 @ oneDNN's pre-packed weight.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w);
+
 // How a projection multiplies, each kind set by the Python layer it stands for (bound as kernels.ProjKind):
 //   PACKED (layers/packed_linear.py, PackedLinear): bf16, the weight packed for packed_linear at every step size.
 //   INT8 (quant/int8.py: a = q, b = scales) and INT4 (quant/int4.py: a = q, b = d, c = m as int16 bits, group):
 //   inferlab's kernel for steps of up to kernel_max_tokens rows, the packed bf16 copy of the dequantized weight
 //   beyond (where there is one; else the plan only runs steps the kernel takes), as QuantLinear.forward does.
 //   W8A8 (quant/w8a8.py: a = the packed int8 weight, b = scales): w8a8_gemm.cpp's kernel at every step size.
+// Where the CPU has AMX, `onednn` holds oneDNN's pre-packed bf16 copy (layers/packed_linear.py: onednn_min_rows),
+// which takes every dense step of onednn_min_tokens rows or more instead of `packed`.
 enum class ProjKind : int64_t { PACKED, INT8, INT4, W8A8 };
 
 struct PlanLinear {
@@ -21,16 +26,18 @@ struct PlanLinear {
   torch::Tensor a, b, c;
   int64_t group = 0;
   int64_t kernel_max_tokens = 0;
-  torch::Tensor packed;
+  torch::Tensor packed, onednn;
+  int64_t onednn_min_tokens = 0;
   int64_t out_features = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    const int64_t T = x.size(0);
     if (kind == ProjKind::W8A8) return w8a8_linear(x, a, b, out_features);
-    if (kind == ProjKind::PACKED || x.size(0) > kernel_max_tokens) {
-      TORCH_CHECK(packed.defined(), "a step of ", x.size(0), " tokens is past this projection's kernel");
-      return packed_linear(x, packed, out_features, false);
-    }
-    return kind == ProjKind::INT8 ? int8_linear(x, a, b) : int4_linear(x, a, b, c, group);
+    if (kind != ProjKind::PACKED && T <= kernel_max_tokens)
+      return kind == ProjKind::INT8 ? int8_linear(x, a, b) : int4_linear(x, a, b, c, group);
+    if (onednn.defined() && T >= onednn_min_tokens) return onednn_linear(x, onednn);
+    TORCH_CHECK(packed.defined(), "a step of ", T, " tokens is past this projection's kernel");
+    return packed_linear(x, packed, out_features, false);
   }
 };
 

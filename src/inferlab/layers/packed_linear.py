@@ -4,18 +4,24 @@ Where inferlab's kernels are built with AVX-512 BF16 the layout is inferlab's ow
 kernels/packed_gemm.cpp at every step size): measured with SmolLM2-135M's four layer shapes x 30 layers on the
 project's 2-core EPYC (`python benchmarks/linear_kernels.py`), it beats oneDNN's own pre-packed bf16 GEMM from 1
 to 512 rows (1 row 7.5 vs 11.8 ms, 16 rows 13.8 vs 14.9, 64 rows 36.4 vs 39.3, 512 rows 261 vs 286).
+Where the CPU has AMX (Intel Xeon from Sapphire Rapids on), oneDNN multiplies bf16 tiles in it and wins from two
+rows: on a 2-core Xeon with AMX, 2 rows 12.5 vs 12.8 ms, 16 rows 12.8 vs 24.7, 64 rows 16.5 vs 75.0, 256 rows
+30.5 vs 268 (same command), while inferlab's kernel still streams one row's weights faster (8.7 vs 12.8 ms). There
+a layer keeps both copies and picks by the step's rows (`onednn_min_rows`).
 Elsewhere it is oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`), 1.25-1.6x faster than
 `F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows. Either way the layer keeps
 the plain weight too (for state_dict and tied embeddings), so the speed costs a second copy of the weights (for
-this model, 258 MiB): serving trades memory for latency here, as `--no-pack-weights` undoes. The kernels can round
-a bf16 result differently in the last bit from torch's, so bf16 outputs are not bit-identical to the unpacked
-layer's (fp32, which the batch-invariance tests use, never takes this path: see models/llama.py,
-batch_invariant_rows).
+this model, 258 MiB; a third with AMX): serving trades memory for latency here, as `--no-pack-weights` undoes.
+The kernels can round a bf16 result differently in the last bit from torch's, so bf16 outputs are not
+bit-identical to the unpacked layer's (fp32, which the batch-invariance tests use, never takes this path: see
+models/llama.py, batch_invariant_rows).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +32,24 @@ from inferlab.kernels import gemv_kernels
 
 # Without inferlab's kernel, steps of at most this many rows use torch's gemv instead of oneDNN.
 GEMV_MAX_ROWS = 2
+# With AMX, steps of at least this many rows use oneDNN's GEMM instead of inferlab's kernel (measured: see above).
+AMX_MIN_ROWS = 2
+
+
+@functools.cache
+def onednn_min_rows() -> int | None:
+    """The smallest step (rows) that oneDNN's pre-packed bf16 GEMM multiplies beside inferlab's kernel: AMX_MIN_ROWS
+    where oneDNN runs on AMX, None (never) elsewhere. INFERLAB_ONEDNN_MIN_ROWS sets it (0: never), to tune a machine
+    or to take the path on one without AMX."""
+    env = os.environ.get("INFERLAB_ONEDNN_MIN_ROWS")
+    if env is not None:
+        try:
+            rows = int(env)
+        except ValueError:
+            raise ValueError(f"INFERLAB_ONEDNN_MIN_ROWS must be a whole number of rows, got {env!r}") from None
+        return rows if rows > 0 else None
+    amx = torch.backends.mkldnn.is_available() and getattr(torch._C._cpu, "_init_amx", lambda: False)()
+    return AMX_MIN_ROWS if amx else None
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,16 +68,28 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 32, k // 2, 2).transpose(1, 2).contiguous()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The packed copy a CPU bf16 layer multiplies by: inferlab's layout where its kernel runs, else oneDNN's."""
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> oneDNN's pre-packed bf16 weight (an mkldnn tensor), laid out for steps of ~64 rows."""
     with torch.no_grad():
-        if gemv_kernels() is not None and weight.shape[1] % 2 == 0:
-            return pack_bf16(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 64)
 
 
-def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [T, in] bf16 @ the weight `pack_weight` packed -> [T, out]."""
+def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    """The packed copy a CPU bf16 layer multiplies by in steps of `min_rows` rows or more: inferlab's layout where
+    its kernel runs, unless oneDNN's GEMM takes all such steps (onednn_min_rows); else oneDNN's."""
+    amx_rows = onednn_min_rows()
+    if gemv_kernels() is not None and weight.shape[1] % 2 == 0 and not (amx_rows and min_rows >= amx_rows):
+        with torch.no_grad():
+            return pack_bf16(weight)
+    return pack_onednn(weight)
+
+
+def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+              onednn: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] bf16 @ the weight `pack_weight` packed -> [T, out]; by oneDNN's copy `onednn` instead, where there
+    is one, from onednn_min_rows() rows."""
+    if onednn is not None and x.shape[0] >= onednn_min_rows():
+        packed = onednn
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return gemv_kernels().packed_linear(x, packed, out_features)
@@ -89,12 +125,14 @@ class PackedLinear(KernelLinear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
-        # A plain attribute, not a buffer, so module-wide .to() and state_dict() skip it.
-        self.packed = pack_weight(self.weight)
+        self.repack()
 
     def repack(self) -> None:
-        """Pack again after the weight was changed in place."""
+        """Pack (again, after the weight was changed in place)."""
+        # Plain attributes, not buffers, so module-wide .to() and state_dict() skip them. `onednn`: oneDNN's copy
+        # for steps of onednn_min_rows() rows or more, beside inferlab's (see the module's docstring).
         self.packed = pack_weight(self.weight)
+        self.onednn = pack_onednn(self.weight) if onednn_min_rows() and not self.packed.is_mkldnn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -104,12 +142,13 @@ class PackedLinear(KernelLinear):
             with _without_onednn():
                 y = F.linear(x2, self.weight)
         else:
-            y = packed_mm(x2, self.packed, self.out_features)
+            y = packed_mm(x2, self.packed, self.out_features, self.onednn)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """forward() in fp32 (logits): inferlab's kernel hands over its fp32 sums without rounding them to bf16."""
-        if self.packed.is_mkldnn or x.requires_grad or x.dtype != torch.bfloat16:
+        if (self.packed.is_mkldnn or x.requires_grad or x.dtype != torch.bfloat16
+                or (self.onednn is not None and x.reshape(-1, self.in_features).shape[0] >= onednn_min_rows())):
             return self(x).float()
         return gemv_kernels().packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
                                             fp32_out=True).reshape(*x.shape[:-1], self.out_features)
@@ -124,10 +163,12 @@ class PackedLinear(KernelLinear):
         kernels = gemv_kernels()
         p = kernels.PlanLinear()
         p.kind, p.packed, p.out_features = kernels.ProjKind.PACKED, self.packed, self.out_features
+        if self.onednn is not None:
+            p.onednn, p.onednn_min_tokens = self.onednn, onednn_min_rows()
         return p
 
     def extra_repr(self) -> str:
-        kind = "oneDNN" if self.packed.is_mkldnn else "inferlab"
+        kind = "oneDNN" if self.packed.is_mkldnn else "inferlab" if self.onednn is None else "inferlab and oneDNN"
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for {kind}"
 
 
@@ -141,7 +182,7 @@ def pack_linears(model: nn.Module) -> int:
                                                                                      child.weight.dtype):
                 packed = PackedLinear(child)
                 setattr(parent, name, packed)
-                added += packed_bytes(packed.packed)
+                added += packed_bytes(packed.packed) + (packed_bytes(packed.onednn) if packed.onednn is not None else 0)
     return added
 
 

@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
             if any(p is None for p in projs):
                 return False
             for p in projs:
-                if p.packed is None:
+                if p.packed is None and p.onednn is None:
                     max_tokens = min(max_tokens, p.kernel_max_tokens)
             p = kernels.PlanLayer()
             layer.plan_norms(p)

@@ -7,9 +7,9 @@ with the tokens in the step, while a bf16 GEMM barely slows down until it turns 
 tokens on the dense matmul wins (`python benchmarks/quantization.py kernels`, in docs/benchmarks.md). The dense
 path has two forms:
   - packed (the CPU default with bf16 activations, like PackedLinear for float layers): a packed bf16 copy of the
-    dequantized weight (inferlab's layout, or oneDNN's where inferlab's kernel is not built), made once by
-    `pack_dense`. The fastest for large steps; it costs a bf16 copy of the weights in memory, which the engine
-    reports beside the quantized bytes. Kernel up to PACKED_MAX_KERNEL_TOKENS.
+    dequantized weight (inferlab's layout, or oneDNN's where inferlab's kernel is not built or the CPU has AMX:
+    layers/packed_linear.py), made once by `pack_dense`. The fastest for large steps; it costs a bf16 copy of the
+    weights in memory, which the engine reports beside the quantized bytes. Kernel up to PACKED_MAX_KERNEL_TOKENS.
   - dequantize per step (`--no-pack-weights`, fp32 models, other devices): no second copy, so the memory saving
     stays whole; the dequantization is a fixed cost that only a larger step amortises, hence the larger
     per-scheme `max_kernel_tokens`.
@@ -66,7 +66,7 @@ class QuantLinear(KernelLinear):
         if not packing_available(self.device, torch.bfloat16):
             return 0
         with torch.no_grad():
-            self.packed = pack_weight(self.dequantize(torch.bfloat16))
+            self.packed = pack_weight(self.dequantize(torch.bfloat16), min_rows=PACKED_MAX_KERNEL_TOKENS + 1)
         return packed_bytes(self.packed)
 
     def streamed_tensors(self) -> list[str]:
@@ -110,8 +110,12 @@ class QuantLinear(KernelLinear):
         p = kernels.PlanLinear()
         self._plan_fields(p, kernels.ProjKind)
         p.kernel_max_tokens = self.kernel_token_limit()
-        if self.packed is not None and not self.packed.is_mkldnn:
-            p.packed, p.out_features = self.packed, self.out_features
+        if self.packed is not None:
+            p.out_features = self.out_features
+            if self.packed.is_mkldnn:
+                p.onednn = self.packed  # every step past the kernel
+            else:
+                p.packed = self.packed
         return p
 
     def _plan_fields(self, p, kinds) -> None:
