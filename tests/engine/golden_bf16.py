@@ -2,7 +2,8 @@
 an AVX-512 BF16 machine), llama2.c's cheapest decisive test. The recorded tokens came from the engine before a
 change; the test says whether the change kept them.
 
-Regenerate (only when a change is meant to alter outputs, and say why in the commit):
+Regenerate (only when a change is meant to alter outputs, and say why in the commit; it records the path without
+oneDNN's GEMM, which the test pins):
     .venv/bin/python tests/engine/golden_bf16.py
 """
 
@@ -25,10 +26,13 @@ MAX_TOKENS = 64
 def engine_path(llm) -> dict:
     """What decides the numerics: a machine where these differ takes another path and other roundings."""
     from inferlab.kernels import gemv_kernels
+    from inferlab.layers.packed_linear import PackedLinear
 
     eng = llm.engine
+    packed = [m for m in eng.runner.model.modules() if isinstance(m, PackedLinear)]
     return {"dtype": str(eng.dtype), "device": str(eng.device), "cpu_kernels": gemv_kernels() is not None,
-            "decode_plan": eng.runner.model.model.decode_plan is not None}
+            "decode_plan": eng.runner.model.model.decode_plan is not None,
+            "onednn_rows": packed[0].onednn_rows if packed else None}
 
 
 def generate(llm) -> dict:
@@ -41,8 +45,11 @@ def generate(llm) -> dict:
 
 
 if __name__ == "__main__":
+    import os
+
     from inferlab import LLM
 
+    os.environ["INFERLAB_ONEDNN_MIN_ROWS"] = "0"  # the batch-invariant path, which the test pins (see there)
     GOLDEN.parent.mkdir(exist_ok=True)
     GOLDEN.write_text(json.dumps(generate(LLM()), indent=None) + "\n")
     print(f"wrote {GOLDEN}", file=sys.stderr)

@@ -84,12 +84,8 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
     return pack_onednn(weight)
 
 
-def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-              onednn: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] bf16 @ the weight `pack_weight` packed -> [T, out]; by oneDNN's copy `onednn` instead, where there
-    is one, from onednn_min_rows() rows."""
-    if onednn is not None and x.shape[0] >= onednn_min_rows():
-        packed = onednn
+def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [T, in] bf16 @ the weight `pack_weight` (or `pack_onednn`) packed -> [T, out]."""
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return gemv_kernels().packed_linear(x, packed, out_features)
@@ -130,9 +126,13 @@ class PackedLinear(KernelLinear):
     def repack(self) -> None:
         """Pack (again, after the weight was changed in place)."""
         # Plain attributes, not buffers, so module-wide .to() and state_dict() skip them. `onednn`: oneDNN's copy
-        # for steps of onednn_min_rows() rows or more, beside inferlab's (see the module's docstring).
+        # for steps of `onednn_rows` rows or more, beside inferlab's (see the module's docstring).
         self.packed = pack_weight(self.weight)
-        self.onednn = pack_onednn(self.weight) if onednn_min_rows() and not self.packed.is_mkldnn else None
+        self.onednn_rows = onednn_min_rows() if not self.packed.is_mkldnn else None
+        self.onednn = pack_onednn(self.weight) if self.onednn_rows else None
+
+    def _packed_for(self, rows: int) -> torch.Tensor:
+        return self.onednn if self.onednn is not None and rows >= self.onednn_rows else self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -142,16 +142,16 @@ class PackedLinear(KernelLinear):
             with _without_onednn():
                 y = F.linear(x2, self.weight)
         else:
-            y = packed_mm(x2, self.packed, self.out_features, self.onednn)
+            y = packed_mm(x2, self._packed_for(x2.shape[0]), self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """forward() in fp32 (logits): inferlab's kernel hands over its fp32 sums without rounding them to bf16."""
-        if (self.packed.is_mkldnn or x.requires_grad or x.dtype != torch.bfloat16
-                or (self.onednn is not None and x.reshape(-1, self.in_features).shape[0] >= onednn_min_rows())):
+        x2 = x.reshape(-1, self.in_features)
+        if self._packed_for(x2.shape[0]).is_mkldnn or x.requires_grad or x.dtype != torch.bfloat16:
             return self(x).float()
-        return gemv_kernels().packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
-                                            fp32_out=True).reshape(*x.shape[:-1], self.out_features)
+        y = gemv_kernels().packed_linear(x2, self.packed, self.out_features, fp32_out=True)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def streamed_tensors(self) -> list[str]:
         return [] if self.packed.is_mkldnn else ["packed"]
@@ -164,7 +164,7 @@ class PackedLinear(KernelLinear):
         p = kernels.PlanLinear()
         p.kind, p.packed, p.out_features = kernels.ProjKind.PACKED, self.packed, self.out_features
         if self.onednn is not None:
-            p.onednn, p.onednn_min_tokens = self.onednn, onednn_min_rows()
+            p.onednn, p.onednn_min_tokens = self.onednn, self.onednn_rows
         return p
 
     def extra_repr(self) -> str:
