@@ -2,7 +2,7 @@
 
 Where the CPU has AMX, the default sends steps of two rows or more to oneDNN's GEMM (layers/packed_linear.py), whose
 roundings differ from inferlab's kernel's, so a sequence's tokens there can depend on what shared its steps. The
-test pins the batch-invariant path, as INFERLAB_ONEDNN_MIN_ROWS=0 does for a user, so it runs on every CPU."""
+test pins the batch-invariant path (row_invariant.py), so it runs on every CPU."""
 
 from __future__ import annotations
 
@@ -11,19 +11,15 @@ import json
 import pytest
 
 from golden_bf16 import GOLDEN, engine_path, generate
+from row_invariant import row_invariant_packing
 
 
 @pytest.fixture(scope="module")
 def llm_default():
     from inferlab import LLM
-    from inferlab.layers import packed_linear
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("INFERLAB_ONEDNN_MIN_ROWS", "0")
-        packed_linear.onednn_min_rows.cache_clear()
-        llm = LLM()
-    packed_linear.onednn_min_rows.cache_clear()
-    return llm
+    with row_invariant_packing():
+        return LLM()
 
 
 def test_default_engine_reproduces_recorded_greedy_outputs(llm_default):

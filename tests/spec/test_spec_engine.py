@@ -11,6 +11,7 @@ import pytest
 
 from inferlab import SamplingParams
 from inferlab.spec import SpecPolicy
+from row_invariant import row_invariant_packing
 from speclib import GREEDY, TEXTS, generate, speculating
 
 # A draft of the target's first 29 of 30 layers agrees with it on about half the tokens (both the accept and the
@@ -153,13 +154,15 @@ def test_low_acceptance_turns_speculation_off_for_a_while(llm, prompts):
 def test_greedy_on_the_bf16_decode_plan_is_unchanged(prompts):
     """On the default bf16 engine every verification step runs as rows of the decode plan's kernel, which are
     row-invariant like plain decodes, so speculation keeps greedy tokens exactly there too (through the layers'
-    batched SDPA a verified position could round otherwise than its plain decode and part at a near-tie)."""
+    batched SDPA a verified position could round otherwise than its plain decode and part at a near-tie). With
+    AMX, only on the row-invariant path (row_invariant.py)."""
     from inferlab import LLM
     from inferlab.kernels import gemv_kernels
 
     if gemv_kernels() is None:
         pytest.skip("the decode plan needs inferlab's AVX-512 BF16 kernels")
-    llm = LLM(dtype="bfloat16", kv_cache_memory=64 * 2**20)
+    with row_invariant_packing():
+        llm = LLM(dtype="bfloat16", kv_cache_memory=64 * 2**20)
     assert llm.engine.runner.model.model.decode_plan is not None
     longer = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = [o.token_ids for o in generate(llm, prompts, longer)]
