@@ -28,6 +28,7 @@ from inferlab.engine.step_budget import PrefillBudget
 from inferlab.engine.step_trace import BatchShape, StepTrace
 from inferlab.engine.structured_output import StructuredOutput
 from inferlab.layers import kv_int8
+from inferlab.layers.packed_linear import onednn_min_rows
 from inferlab.models.loader import load_model, load_tokenizer
 from inferlab.spec import StepContext, make_proposer
 
@@ -124,11 +125,15 @@ class LLMEngine:
         # its first token and holds its blocks in `handing_off` until send_kv copies them out.
         self.hand_off_after_prefill = False
         self.handing_off: list[Sequence] = []
-        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16), "
+        # Which GEMM multiplies the packed copies shapes every figure (layers/packed_linear.py), so it is said.
+        amx_rows = onednn_min_rows() if self.runner.packed_weight_bytes else None
+        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16%s), "
                  "KV pool %d blocks x %d tokens = %.1f MiB in %s (%s); quantization: %s", self.model_path.name,
                  self.device, self.dtype, loaded.load_seconds, self.weight_bytes / 2**20,
-                 self.runner.packed_weight_bytes / 2**20, num_blocks, bs, self.runner.kv_cache_bytes / 2**20,
-                 str(self.kv_dtype).removeprefix("torch."), pool.reason, self.quant_path)
+                 self.runner.packed_weight_bytes / 2**20,
+                 f"; oneDNN's GEMM from {amx_rows} rows (INFERLAB_ONEDNN_MIN_ROWS)" if amx_rows else "", num_blocks, bs,
+                 self.runner.kv_cache_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."), pool.reason,
+                 self.quant_path)
 
     # -- requests ---------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
