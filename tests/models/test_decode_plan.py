@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from row_invariant import onednn_from_rows
 from tiny_models import build_hf_model, save_hf
 
 from inferlab import LLM, SamplingParams
@@ -65,21 +66,14 @@ def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
 def test_plan_on_onednn_copies_is_token_identical_to_the_layers(quantization, monkeypatch):
     """Where the CPU has AMX, dense steps of two rows or more multiply by oneDNN's pre-packed copy
     (layers/packed_linear.py, onednn_min_rows); forced here, so that the plan's call into oneDNN runs on any CPU."""
-    from inferlab.layers import packed_linear
-
-    monkeypatch.setenv("INFERLAB_ONEDNN_MIN_ROWS", "2")
-    packed_linear.onednn_min_rows.cache_clear()
-    try:
+    with onednn_from_rows(2):
         llm = LLM(quantization=quantization, dtype="bfloat16", kv_cache_memory=64 * 2**20)
-        plan = llm.engine.runner.model.model.decode_plan
-        projs = [getattr(layer, n) for layer in plan.layers for n in ("qkv", "o", "gate_up", "down")]
-        assert all(p.onednn is not None and p.onednn.is_mkldnn for p in projs)
-        # bf16: inferlab's copy for one row beside oneDNN's; int4: the kernel up to 4 tokens, oneDNN's copy beyond.
-        assert all((p.packed is not None) == (quantization == "none") for p in projs)
-        _compare_with_and_without(llm, monkeypatch)
-    finally:
-        monkeypatch.delenv("INFERLAB_ONEDNN_MIN_ROWS")
-        packed_linear.onednn_min_rows.cache_clear()
+    plan = llm.engine.runner.model.model.decode_plan
+    projs = [getattr(layer, n) for layer in plan.layers for n in ("qkv", "o", "gate_up", "down")]
+    assert all(p.onednn is not None and p.onednn.is_mkldnn for p in projs)
+    # bf16: inferlab's copy for one row beside oneDNN's; int4: the kernel up to 4 tokens, oneDNN's copy beyond.
+    assert all((p.packed is not None) == (quantization == "none") for p in projs)
+    _compare_with_and_without(llm, monkeypatch)
 
 
 def test_plan_on_an_int8_kv_pool_is_token_identical_to_the_layers(monkeypatch):
