@@ -13,7 +13,7 @@ from inferlab.layers import attention as attention_mod
 from inferlab.layers import kv_int8
 from inferlab.layers.attention import AttentionGroup, AttentionMetadata, PagedAttention
 from inferlab.layers.packed_linear import (PackedLinear, onednn_min_rows, pack_bf16, pack_linears, packing_available,
-                                           place_streamed_weights)
+                                           place_streamed_weights, unpack_bf16, weight_bytes)
 
 HEADS, KV_HEADS, DIM, BS, BLOCKS = 6, 2, 16, 4, 64
 
@@ -230,7 +230,7 @@ def test_packed_gemm_matches_float64(k, rows, n):
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     packed = pack_bf16(w)
-    assert packed.shape == (7, k // 2, 32, 2)
+    assert packed.shape == (7, k // 2, 32, 2) and torch.equal(unpack_bf16(packed, n), w)
     y = gemv_kernels().packed_linear(x, packed, n)
     ref = x.double() @ w.double().T
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
@@ -256,6 +256,32 @@ def test_pack_linears_keeps_tied_weights_and_skips_other_dtypes():
     # inferlab's where the CPU has AMX).
     onednn = gemv_kernels() is None or onednn_min_rows() is not None
     assert added == ((64 if gemv_kernels() is not None else 0) + (50 if onednn else 0)) * 32 * 2
+
+
+@pytest.mark.skipif(gemv_kernels() is None, reason="inferlab's kernels need AVX-512 BF16 and a compiler")
+def test_pack_linears_drops_the_plain_weights_that_its_layout_holds():
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 32).to(torch.bfloat16)
+    head = nn.Linear(32, 50, bias=False).to(torch.bfloat16)
+    head.weight = emb.weight
+    proj = nn.Linear(32, 70, bias=False).to(torch.bfloat16)
+    w = proj.weight.detach().clone()
+    net = nn.ModuleDict({"emb": emb, "head": head, "proj": proj})
+    x = torch.randn(3, 32).bfloat16()
+    before = F.linear(x, w)
+    added = pack_linears(net)
+    layer = net["proj"]
+    # The tied head keeps the embedding's weight; the projection's lives in its packed copy only.
+    assert [n for n, _ in net.named_parameters()] == ["emb.weight"]
+    assert torch.equal(layer.weight, w) and torch.equal(net.state_dict()["proj.weight"], w)
+    onednn = onednn_min_rows() is not None
+    assert added == ((64 + 96) + (50 + 70 if onednn else 0)) * 32 * 2 - 70 * 32 * 2
+    assert weight_bytes([net]) == (50 + 70) * 32 * 2  # as loaded: the draft's cost ratio counts it
+    # Off the hot path the weight still answers: autograd, a repack.
+    assert torch.equal(layer(x.clone().requires_grad_()).detach(), before)
+    y = layer(x)
+    layer.repack()
+    assert torch.equal(layer(x), y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -346,6 +372,6 @@ def test_place_streamed_weights_moves_what_the_kernels_read_and_keeps_outputs():
     for (name, a), t in old.items():
         new = getattr(net[name], a)
         assert new.data_ptr() != t.data_ptr() and torch.equal(new, t)
-    assert net["dense"].weight is plain  # the plain weight (state_dict, a tied embedding) stays where it was
+    assert torch.equal(net["dense"].weight, plain)  # unpacked from the moved copy: the same weight
     for name, m in net.items():
         assert torch.equal(m(x), before[name])

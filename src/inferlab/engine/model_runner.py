@@ -53,7 +53,7 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # Extra bytes held by packed copies of bf16 CPU weights (see layers/packed_linear.py).
+        # Bytes the packed copies of bf16 CPU weights add, net of the plain ones they replace (layers/packed_linear.py).
         self.packed_weight_bytes = pack_linears(model) if pack_weights else 0
         place_streamed_weights(model)
         self.kv_cache = allocate_kv_cache(model.model.layers, num_blocks, block_size, kv_dtype, device)

@@ -9,9 +9,12 @@ rows: on a 2-core Xeon with AMX, 2 rows 12.5 vs 12.8 ms, 16 rows 12.8 vs 24.7, 6
 30.5 vs 268 (same command), while inferlab's kernel still streams one row's weights faster (8.7 vs 12.8 ms). There
 a layer keeps both copies and picks by the step's rows (`onednn_min_rows`).
 Elsewhere it is oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`), 1.25-1.6x faster than
-`F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows. Either way the layer keeps
-the plain weight too (for state_dict and tied embeddings), so the speed costs a second copy of the weights (for
-this model, 258 MiB; a third with AMX): serving trades memory for latency here, as `--no-pack-weights` undoes.
+`F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows, which reads the plain weight.
+inferlab's layout only reorders the weight, so a model's layers drop their plain weight once packed into it and
+unpack it on the rare read off the hot path (`release_plain_weight`); a weight another module reads (a tied
+embedding) stays. So packing costs the model the copies beside the first: for SmolLM2-135M the tied head's 54 MiB
+with inferlab's kernel, 258 MiB more with AMX (oneDNN's copy), 258 MiB with oneDNN's layout alone; `--no-pack-weights`
+undoes it.
 The kernels can round a bf16 result differently in the last bit from torch's, so bf16 outputs are not
 bit-identical to the unpacked layer's (fp32, which the batch-invariance tests use, never takes this path: see
 models/llama.py, batch_invariant_rows).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +70,12 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"inferlab's packed layout needs an even number of inputs, got {k}")
     padded = F.pad(weight.detach().to(torch.bfloat16), (0, 0, 0, -n % 32))
     return padded.view(-1, 32, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_bf16's inverse: inferlab's layout -> the weight [out_features, K], a new tensor."""
+    tiles, half_k = packed.shape[:2]
+    return packed.transpose(1, 2).reshape(tiles * 32, half_k * 2)[:out_features]
 
 
 def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
@@ -114,8 +124,8 @@ class KernelLinear(nn.Module):
 
 
 class PackedLinear(KernelLinear):
-    """Stands in for a bias-free `nn.Linear` in bf16 on the CPU; `weight` stays the plain [out, in] tensor (shared
-    with a tied embedding where there is one)."""
+    """Stands in for a bias-free `nn.Linear` in bf16 on the CPU. `weight` is the plain [out, in] parameter (shared
+    with a tied embedding where there is one) until release_plain_weight(); then a read unpacks it."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -123,8 +133,27 @@ class PackedLinear(KernelLinear):
         self.weight = linear.weight
         self.repack()
 
+    def __getattr__(self, name: str):
+        # nn.Module looks parameters up here; a released weight is no parameter any more.
+        if name == "weight" and "weight" not in self._parameters and "packed" in self.__dict__:
+            return unpack_bf16(self.packed, self.out_features)
+        return super().__getattr__(name)
+
+    def release_plain_weight(self) -> int:
+        """Drop the plain weight where inferlab's layout holds it (weight then unpacks it on each read); returns the
+        bytes freed. Only for a weight no other module reads: the caller knows the model (pack_linears)."""
+        if self.packed.is_mkldnn or "weight" not in self._parameters:
+            return 0  # oneDNN's layout: torch's gemv reads the plain weight at one or two rows
+        w = self._parameters.pop("weight")
+        return w.numel() * w.element_size()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if "weight" not in self._parameters:
+            destination[prefix + "weight"] = self.weight
+
     def repack(self) -> None:
-        """Pack (again, after the weight was changed in place)."""
+        """Pack (again, after the plain weight was changed in place)."""
         # Plain attributes, not buffers, so module-wide .to() and state_dict() skip them. `onednn`: oneDNN's copy
         # for steps of `onednn_rows` rows or more, beside inferlab's (see the module's docstring).
         self.packed = pack_weight(self.weight)
@@ -173,9 +202,11 @@ class PackedLinear(KernelLinear):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every bias-free bf16 `nn.Linear` of a CPU model by a PackedLinear, and give every quantized layer its
-    packed bf16 copy for large steps (quant/linear.py). Returns the bytes added."""
+    """Replace every bias-free bf16 `nn.Linear` of a CPU model by a PackedLinear, dropping each plain weight that its
+    packed copy holds and no other module reads, and give every quantized layer its packed bf16 copy for large steps
+    (quant/linear.py). Returns the bytes added, net of those dropped."""
     added = sum(m.pack_dense() for m in model.modules() if isinstance(m, KernelLinear))
+    readers = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.bias is None and packing_available(child.weight.device,
@@ -183,7 +214,18 @@ def pack_linears(model: nn.Module) -> int:
                 packed = PackedLinear(child)
                 setattr(parent, name, packed)
                 added += packed_bytes(packed.packed) + (packed_bytes(packed.onednn) if packed.onednn is not None else 0)
+                if readers[id(child.weight)] == 1:
+                    added -= packed.release_plain_weight()
     return added
+
+
+def weight_bytes(modules) -> int:
+    """Bytes of the modules' weights as loaded, each tensor once: parameters and buffers, and the plain weights that
+    packing released (counted as the parameters they were; the packed copies are not counted)."""
+    tensors = {id(t): t for m in modules for t in (*m.parameters(), *m.buffers())}
+    released = {id(p): p.in_features * p.out_features * 2 for m in modules for p in m.modules()
+                if isinstance(p, PackedLinear) and "weight" not in p._parameters}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(released.values())
 
 
 def place_streamed_weights(model: nn.Module) -> int:

@@ -23,6 +23,7 @@ from inferlab.engine.model_runner import ModelRunner
 from inferlab.engine.sampler import exponential_noise, sampling_probs
 from inferlab.engine.sequence import Sequence
 from inferlab.layers.attention import allocate_kv_cache
+from inferlab.layers.packed_linear import weight_bytes
 from inferlab.spec.proposer import Proposer, SpecPolicy, SpeculativeConfigError, StepContext
 
 
@@ -126,8 +127,7 @@ class DraftProposer(Proposer):
 
 
 def _weight_bytes(model, num_layers: int) -> int:
-    modules = [*model.model.layers[:num_layers], model.lm_head]
-    return sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+    return weight_bytes([*model.model.layers[:num_layers], model.lm_head])
 
 
 def _load_draft(path: str, runner: ModelRunner, tokenizer, config: EngineConfig):
