@@ -243,6 +243,29 @@ def test_packed_gemm_matches_float64(k, rows, n):
     assert ((y32.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-6).all()
 
 
+@pytest.mark.skipif(gemv_kernels() is None, reason="inferlab's kernels need AVX-512 BF16 and a compiler")
+def test_packed_gemm_prefetch_setting_changes_no_value(monkeypatch):
+    from inferlab.kernels import packed_prefetch_tokens
+
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(203, 576, generator=g).bfloat16(), torch.randn(21, 576, generator=g).bfloat16()
+    packed, kernels = pack_bf16(w), gemv_kernels()
+    try:
+        outs = []
+        for tokens in (0, 1, 3, 8):  # no tile, one-token tiles, up to three, every tile (8 tokens and the rest, 5)
+            kernels.set_packed_prefetch_tokens(tokens)
+            outs.append([kernels.packed_linear(x[:m], packed, 203) for m in (1, 2, 3, 8, 21)])
+    finally:
+        kernels.set_packed_prefetch_tokens(packed_prefetch_tokens())
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+    monkeypatch.setenv("INFERLAB_PACKED_PREFETCH_TOKENS", "3")
+    assert packed_prefetch_tokens() == 3
+    monkeypatch.setenv("INFERLAB_PACKED_PREFETCH_TOKENS", "all")
+    with pytest.raises(ValueError, match="INFERLAB_PACKED_PREFETCH_TOKENS"):
+        packed_prefetch_tokens()
+
+
 @pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.bfloat16), reason="no packed bf16 here")
 def test_pack_linears_keeps_tied_weights_and_skips_other_dtypes():
     emb = nn.Embedding(50, 32).to(torch.bfloat16)

@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)", nogil);
   m.def("packed_linear", &packed_linear, "x @ w.T for a bf16 weight in inferlab's packed layout (CPU)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("fp32_out") = false, nogil);
+  m.def("set_packed_prefetch_tokens", &set_packed_prefetch_tokens,
+        "tiles of up to this many tokens in packed_linear prefetch their weights (kernels/__init__.py chooses)");
   m.def("w8a8_linear", &w8a8_linear,
         "x @ (q * scale).T for int8 weights in inferlab's W8A8 layout, activations rounded to int8 per 32 (CPU)",
         nogil);

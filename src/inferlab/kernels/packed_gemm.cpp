@@ -25,11 +25,17 @@
 // prefetcher has asked for: a request kPrefetchAhead bytes down the stream (prefetcht1, one a line) took an
 // engine's one-token step from 6.8-7.1 to 6.0-6.2 ms in a fast host state and left it level in a slow one; 4 KiB
 // ahead or into L1 was slower, and at 2-8 tokens the same request cost 3-13% (docs/benchmarks.md, round 16).
+// That was the EPYC. On a 2-core Xeon with AMX the same request at every tile size made the 30 layers 1.36x faster
+// at 2 and 8 tokens, 1.17x at 4, 1.13x at 16, 1.05x at 64 and level at one (`python benchmarks/linear_kernels.py
+// --against HEAD`, round 18): so tiles of up to `set_packed_prefetch_tokens(n)` tokens ask, chosen per host by
+// kernels/__init__.py.
 
 #include "cpu_common.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <atomic>
 
 namespace {
 
@@ -37,7 +43,8 @@ constexpr int64_t kBlock = 16;                    // outputs per line: one vdpbf
 constexpr int64_t kTileBlocks = 2;                // blocks per tile
 constexpr int64_t kTile = kBlock * kTileBlocks;  // outputs per packed tile
 constexpr int64_t kTokens = 8;      // tokens per register tile
-constexpr int64_t kPrefetchAhead = 1024;  // bytes, at one token (see the header)
+constexpr int64_t kPrefetchAhead = 1024;  // bytes (see the header)
+std::atomic<int64_t> prefetch_tokens{1};   // tiles of up to this many tokens prefetch (see the header)
 
 #if defined(INFERLAB_AVX512_BF16)
 inline void store16(at::BFloat16* p, __m512 v, __mmask16 mask) { inferlab::store_bf16x16(p, v, mask); }
@@ -45,14 +52,14 @@ inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(
 
 // Tokens [0, MB) x the NB blocks of one tile. x: the tile's first token row; w: the tile's weights; y: the first
 // token row's first output of the tile. `mask[j]` selects the valid outputs of block j.
-template <int MB, int NB, typename Out>
+template <int MB, int NB, bool Prefetch, typename Out>
 inline void tile(const at::BFloat16* x, int64_t K, const uint16_t* w, Out* y, int64_t N, const __mmask16* mask) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // pairs of bf16 activations
   for (int64_t kp = 0; kp < K / 2; ++kp) {
-    if constexpr (MB == 1) {  // past the tile's end, the thread's next tile: the stream goes on
+    if constexpr (Prefetch) {  // past the tile's end, the thread's next tile: the stream goes on
       const char* ahead = reinterpret_cast<const char*>(w + kp * 2 * kTile) + kPrefetchAhead;
       for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + 64 * j, 0, 2);
     }
@@ -68,22 +75,31 @@ inline void tile(const at::BFloat16* x, int64_t K, const uint16_t* w, Out* y, in
       if (mask[j]) store16(y + m * N + j * kBlock, acc[m][j], mask[j]);
 }
 
+template <int MB, typename Out>
+inline void tile_of(const at::BFloat16* x, int64_t K, const uint16_t* w, Out* y, int64_t N, const __mmask16* mask,
+                    int64_t prefetch) {
+  if (MB <= prefetch) {
+    tile<MB, kTileBlocks, true, Out>(x, K, w, y, N, mask);
+  } else {
+    tile<MB, kTileBlocks, false, Out>(x, K, w, y, N, mask);
+  }
+}
+
 template <typename Out>
 void tile_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t* w, Out* y, int64_t N,
-               const __mmask16* mask) {
-  constexpr int NB = kTileBlocks;
+               const __mmask16* mask, int64_t prefetch) {
   int64_t m = 0;
-  for (; m + kTokens <= M; m += kTokens) tile<kTokens, NB, Out>(x + m * K, K, w, y + m * N, N, mask);
+  for (; m + kTokens <= M; m += kTokens) tile_of<kTokens, Out>(x + m * K, K, w, y + m * N, N, mask, prefetch);
   const at::BFloat16* xm = x + m * K;
   Out* ym = y + m * N;
   switch (M - m) {
-    case 1: tile<1, NB, Out>(xm, K, w, ym, N, mask); break;
-    case 2: tile<2, NB, Out>(xm, K, w, ym, N, mask); break;
-    case 3: tile<3, NB, Out>(xm, K, w, ym, N, mask); break;
-    case 4: tile<4, NB, Out>(xm, K, w, ym, N, mask); break;
-    case 5: tile<5, NB, Out>(xm, K, w, ym, N, mask); break;
-    case 6: tile<6, NB, Out>(xm, K, w, ym, N, mask); break;
-    case 7: tile<7, NB, Out>(xm, K, w, ym, N, mask); break;
+    case 1: tile_of<1, Out>(xm, K, w, ym, N, mask, prefetch); break;
+    case 2: tile_of<2, Out>(xm, K, w, ym, N, mask, prefetch); break;
+    case 3: tile_of<3, Out>(xm, K, w, ym, N, mask, prefetch); break;
+    case 4: tile_of<4, Out>(xm, K, w, ym, N, mask, prefetch); break;
+    case 5: tile_of<5, Out>(xm, K, w, ym, N, mask, prefetch); break;
+    case 6: tile_of<6, Out>(xm, K, w, ym, N, mask, prefetch); break;
+    case 7: tile_of<7, Out>(xm, K, w, ym, N, mask, prefetch); break;
     default: break;
   }
 }
@@ -93,19 +109,24 @@ void tile_rows(const at::BFloat16* x, int64_t M, int64_t K, const uint16_t* w, O
 template <typename Out>
 void run(const at::BFloat16* xp, const torch::Tensor& packed, Out* yp, int64_t M, int64_t K, int64_t N) {
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const int64_t tiles = packed.size(0), tile_elems = K * kTile;
+  const int64_t tiles = packed.size(0), tile_elems = K * kTile, prefetch = prefetch_tokens.load();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t left = N - t * kTile;  // outputs from this tile's first on
       const __mmask16 mask[kTileBlocks] = {inferlab::first_lanes(left),
                                            left > kBlock ? inferlab::first_lanes(left - kBlock) : __mmask16(0)};
-      tile_rows<Out>(xp, M, K, w + t * tile_elems, yp + t * kTile, N, mask);
+      tile_rows<Out>(xp, M, K, w + t * tile_elems, yp + t * kTile, N, mask, prefetch);
     }
   });
 }
 #endif
 
 }  // namespace
+
+void set_packed_prefetch_tokens(int64_t n) {
+  TORCH_CHECK(n >= 0, "the packed GEMM's prefetch takes a number of tokens >= 0, got ", n);
+  prefetch_tokens.store(n);
+}
 
 // x [M, K] bf16; packed [ceil(N / 32), K / 2, 32, 2] bf16 -> y [M, N] bf16 (fp32 sums, rounded once), or the fp32
 // sums themselves with fp32_out (logits: no bf16 rounding and no separate conversion pass).

@@ -37,7 +37,7 @@ from inferlab.kernels import gemv_kernels
 # Without inferlab's kernel, steps of at most this many rows use torch's gemv instead of oneDNN.
 GEMV_MAX_ROWS = 2
 # With AMX, steps of at least this many rows use oneDNN's GEMM instead of inferlab's kernel (measured: see above).
-AMX_MIN_ROWS = 2
+AMX_MIN_ROWS = 4
 
 
 @functools.cache
