@@ -4,17 +4,18 @@ Where inferlab's kernels are built with AVX-512 BF16 the layout is inferlab's ow
 kernels/packed_gemm.cpp at every step size): measured with SmolLM2-135M's four layer shapes x 30 layers on the
 project's 2-core EPYC (`python benchmarks/linear_kernels.py`), it beats oneDNN's own pre-packed bf16 GEMM from 1
 to 512 rows (1 row 7.5 vs 11.8 ms, 16 rows 13.8 vs 14.9, 64 rows 36.4 vs 39.3, 512 rows 261 vs 286).
-Where the CPU has AMX (Intel Xeon from Sapphire Rapids on), oneDNN multiplies bf16 tiles in it and wins from two
-rows: on a 2-core Xeon with AMX, 2 rows 12.5 vs 12.8 ms, 16 rows 12.8 vs 24.7, 64 rows 16.5 vs 75.0, 256 rows
-30.5 vs 268 (same command), while inferlab's kernel still streams one row's weights faster (8.7 vs 12.8 ms). There
-a layer keeps both copies and picks by the step's rows (`onednn_min_rows`).
+Where the CPU has AMX (Intel Xeon from Sapphire Rapids on), oneDNN multiplies bf16 tiles in it and wins from four
+rows: on a 2-core Xeon with AMX, 16 rows 11.6 vs 20.4 ms, 64 rows 15.6 vs 67.5, 256 rows 30.5 vs 268 (same command),
+while inferlab's kernel streams a few rows' weights faster (1 row 8.0-8.2 vs 11.9-12.5 ms, 2 rows 9.7-10.1 vs
+11.8-12.2, 3 rows 11.0-11.1 vs 11.7-12.0, 4 rows level: two runs). There a layer keeps both copies and picks by
+the step's rows (`onednn_min_rows`).
 Elsewhere it is oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`), 1.25-1.6x faster than
 `F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows, which reads the plain weight.
 inferlab's layout only reorders the weight, so a model's layers drop their plain weight once packed into it and
 unpack it on the rare read off the hot path (`release_plain_weight`); a weight another module reads (a tied
 embedding) stays. So packing costs the model the copies beside the first: for SmolLM2-135M the tied head's 54 MiB
-with inferlab's kernel, 258 MiB more with AMX (oneDNN's copy), 258 MiB with oneDNN's layout alone; `--no-pack-weights`
-undoes it.
+with inferlab's kernel, 258 MiB more with AMX (oneDNN's copy), 258 MiB with oneDNN's layout alone;
+`--no-pack-weights` undoes it.
 The kernels can round a bf16 result differently in the last bit from torch's, so bf16 outputs are not
 bit-identical to the unpacked layer's (fp32, which the batch-invariance tests use, never takes this path: see
 models/llama.py, batch_invariant_rows).
