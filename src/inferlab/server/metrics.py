@@ -186,7 +186,8 @@ class _EngineCollector(Collector):
         yield gauge("inferlab:kv_cache_bytes", "Bytes of the KV pool.", lambda s: s.kv_cache_bytes)
         yield gauge("inferlab:weight_bytes", "Bytes of model weights as loaded.", lambda s: s.weight_bytes)
         yield gauge("inferlab:packed_weight_bytes", "Bytes the packed bf16 weight copies for the CPU kernels add to "
-                    "the weights, net of the plain weights they replace (--pack-weights).", lambda s: s.packed_weight_bytes)
+                    "the weights, net of the plain weights they replace (--pack-weights).",
+                    lambda s: s.packed_weight_bytes)
         rss = GaugeMetricFamily("inferlab:peak_rss_bytes", "Peak resident set size of the server process.",
                                 labels=list(self.labels))
         rss.add_metric(values, _peak_rss_bytes())
