@@ -1,5 +1,5 @@
 """Engines built inside `row_invariant_packing()` multiply bf16 layers by inferlab's packed kernel at every step size,
-also where the CPU has AMX and the default sends steps of two rows or more to oneDNN's GEMM
+also where the CPU has AMX and the default sends steps of four rows or more to oneDNN's GEMM
 (layers/packed_linear.py: onednn_min_rows), whose roundings differ from the kernel's. Tests whose claim is that a
 sequence's greedy tokens do not depend on what shared its steps build their engine so, as a user would with
 INFERLAB_ONEDNN_MIN_ROWS=0. `onednn_from_rows(n)` sets the switch to any row count (n = 0: never)."""

@@ -1,6 +1,6 @@
 """The default bf16 path keeps its recorded greedy outputs (see golden_bf16.py for how they are made).
 
-Where the CPU has AMX, the default sends steps of two rows or more to oneDNN's GEMM (layers/packed_linear.py), whose
+Where the CPU has AMX, the default sends steps of four rows or more to oneDNN's GEMM (layers/packed_linear.py), whose
 roundings differ from inferlab's kernel's, so a sequence's tokens there can depend on what shared its steps. The
 test pins the batch-invariant path (row_invariant.py), so it runs on every CPU."""
 

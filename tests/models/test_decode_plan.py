@@ -64,8 +64,9 @@ def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_plan_on_onednn_copies_is_token_identical_to_the_layers(quantization, monkeypatch):
-    """Where the CPU has AMX, dense steps of two rows or more multiply by oneDNN's pre-packed copy
-    (layers/packed_linear.py, onednn_min_rows); forced here, so that the plan's call into oneDNN runs on any CPU."""
+    """Where the CPU has AMX, dense steps of four rows or more multiply by oneDNN's pre-packed copy
+    (layers/packed_linear.py, onednn_min_rows); forced from two rows here, so that the plan's call into oneDNN runs
+    on any CPU."""
     with onednn_from_rows(2):
         llm = LLM(quantization=quantization, dtype="bfloat16", kv_cache_memory=64 * 2**20)
     plan = llm.engine.runner.model.model.decode_plan

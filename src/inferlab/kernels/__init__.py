@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from inferlab.common.cpu_info import cpuinfo_field
+
 log = logging.getLogger("inferlab.engine")
 
 # -fopenmp: at::parallel_for is inline and runs on one thread without it (it joins torch's own libgomp, same
@@ -50,15 +52,7 @@ def packed_prefetch_tokens() -> int:
             return max(0, int(env))
         except ValueError:
             raise ValueError(f"INFERLAB_PACKED_PREFETCH_TOKENS must be a whole number of tokens, got {env!r}") from None
-    return 8 if _cpu_vendor() == "GenuineIntel" else 1
-
-
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    return 8 if cpuinfo_field("vendor_id") == "GenuineIntel" else 1
 
 
 def build_kernels(source_dir: Path, name: str):

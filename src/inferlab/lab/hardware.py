@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from inferlab.common.cpu_info import cpuinfo_field
+
 GiB = 2**30
 TB = 10**12
 TFLOP = 10**12
@@ -101,14 +103,8 @@ def _best_time(fn, sync, min_seconds: float, min_reps: int = 3) -> float:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} threads"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} threads"
+    name = cpuinfo_field("model name") or platform.processor() or platform.machine()
+    return f"{name}, {os.cpu_count()} threads"
 
 
 def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hardware:
