@@ -17,7 +17,8 @@ last line times the int8 LM head the int4 mode keeps (49152 x 576, inferlab's in
 
 `--against REV` times instead this tree's packed kernels (bf16 and w8a8) and int4 kernel against git revision
 REV's (built beside them from `git archive`), pass by pass alternately, for every --rows, then the bf16 LM head
-(49152 x 576, fp32 logits) at one row; it checks the two give the same bits.
+(49152 x 576, fp32 logits) at one row; where the two do not give the same bits (a change that reorders a kernel's
+sums), the row says by how much they differ, and more than 1% of the largest output stops it.
 
     python benchmarks/linear_kernels.py --against 7e1d74a --rows 1 2 4 8 16 64
 
@@ -190,7 +191,10 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
 
     def compare(kernel: str, m: int, run) -> None:
         ours, theirs = run(kernels), run(base)
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), f"{kernel} at {m} rows: outputs differ from {rev}"
+        # A change may reorder a kernel's sums (bits differ, values agree to rounding); more than that is a bug.
+        differ = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                     for a, b in zip(ours, theirs))
+        assert differ < 1e-2, f"{kernel} at {m} rows: outputs differ from {rev}'s by {differ:.2g} of their largest"
         times: dict[str, list[float]] = {"this": [], "base": []}
         for i in range(passes):
             for name, mod in (("this", kernels), ("base", base))[::1 if i % 2 else -1]:
@@ -198,7 +202,9 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
                 run(mod)
                 times[name].append(time.perf_counter() - t)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        print(f"| {kernel} | {m} | {ms['this']:.2f} | {ms['base']:.2f} | {ms['base'] / ms['this']:.2f}x |", flush=True)
+        note = "" if differ == 0 else f" (outputs differ by up to {differ:.1g} of the largest)"
+        print(f"| {kernel} | {m} | {ms['this']:.2f} | {ms['base']:.2f} | {ms['base'] / ms['this']:.2f}x{note} |",
+              flush=True)
 
     for m in rows:
         xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}

@@ -399,7 +399,7 @@ inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
-// Two 32-byte chunks (four groups) a step in 512-bit registers, an odd last chunk in 256-bit ones.
+// Two 32-byte chunks (four groups) a step in 512-bit registers, an odd last chunk in their low halves.
 template <int MB, int NB>
 inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w,
                          const uint16_t* d, float* out /*[MB][NB]*/) {
@@ -433,31 +433,32 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
       }
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m * NB + n] = _mm512_reduce_add_ps(acc[m][n]);
-  if (c < chunks) {  // the odd last chunk
-    const __m256i low4y = _mm256_set1_epi8(0x0F);
-    const __m256i two_groups = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+  if (c < chunks) {  // the odd last chunk (K = 576: 9 chunks) in the low halves, zeros above
+    // The activations' row is padded to Ka with zeros, so the 64-byte loads past the chunk read zeros (and the
+    // weight's upper half is zeroed): the upper lanes add 0 and the chunk sums in the same accumulators.
+    __m512i lo[NB], hi[NB];
+    __m512 dv[NB];
     for (int n = 0; n < NB; ++n) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * ldw + 32 * c));
-      const __m256i lo = _mm256_and_si256(v, low4y), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4y);
+      const __m512i v = _mm512_zextsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * ldw + 32 * c)));
+      lo[n] = _mm512_and_si512(v, low4);
+      hi[n] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       int32_t pair;
       std::memcpy(&pair, d + n * ldd + 2 * c, sizeof pair);
-      const __m256 dv =
-          _mm256_permutexvar_ps(two_groups, _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))));
-      for (int m = 0; m < MB; ++m) {
-        const int8_t* xa = a + m * Ka + 64 * c;
-        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa));
-        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa + 64));
-        const __m256i i = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, xlo), hi, xhi);
-        const __m256 sx = _mm256_loadu_ps(sxv + (m * chunks + c) * 8);
-        const __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(dv, sx));
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
-        const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        out[m * NB + n] += _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+      dv[n] = _mm512_permutexvar_ps(four_groups, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512i xlo = _mm512_loadu_si512(a + m * Ka + 64 * c);
+      const __m512i xhi = _mm512_loadu_si512(a + m * Ka + 64 * c + 64);
+      const __m512 sx = _mm512_maskz_loadu_ps(0x00FF, sxv + (m * chunks + c) * 8);
+      for (int n = 0; n < NB; ++n) {
+        const __m512i i = dot_u8s8(dot_u8s8(_mm512_setzero_si512(), lo[n], xlo), hi[n], xhi);
+        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv[n], sx), acc[m][n]);
       }
     }
   }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) out[m * NB + n] = _mm512_reduce_add_ps(acc[m][n]);
 }
 #endif
 
