@@ -60,6 +60,10 @@ inline __m512 load_bf16x16(const at::BFloat16* p) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// 16 values of either activation dtype as fp32.
+inline __m512 load16(const at::BFloat16* p) { return load_bf16x16(p); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
 // Up to 16 bf16 values (the lanes in `mask`) widened to fp32; the others read as 0.
 inline __m512 load_bf16x16(const at::BFloat16* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));

@@ -356,9 +356,27 @@ void int4_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, int6
 // sum_k w_k x_k = sum_g d_g s_g dot(q, a)_g + m_g asum_g.
 inline int64_t a8_row_stride(int64_t K) { return (K + 127) / 128 * 128; }
 
+// Vectorised, it rounds as the scalar loop below does (vcvtps2dq in the default mode: half to even, as nearbyint),
+// at a tenth of its time: it runs on one thread before every int4 call's parallel part, 120 times a decode step.
 template <typename T>
 void quantize_int8_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* sxv, float* asum) {
   const int64_t groups = K / 32, Ka = a8_row_stride(K);
+#if defined(INFERLAB_AVX512_BF16)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 v0 = inferlab::load16(x + m * K + g * 32), v1 = inferlab::load16(x + m * K + g * 32 + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float s = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+      int8_t* unit = a + m * Ka + (g / 4) * 128 + (g % 4) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(unit), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(unit + 64), _mm512_cvtepi32_epi8(q1));
+      for (int i = 0; i < 4; ++i) sxv[m * groups * 4 + g * 4 + i] = s;
+      asum[m * groups + g] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    }
+  }
+#else
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       float v[32], amax = 0.f;
@@ -378,6 +396,7 @@ void quantize_int8_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* sx
       asum[m * groups + g] = s * static_cast<float>(sum);
     }
   }
+#endif
 }
 
 #if INFERLAB_GEMV_SIMD

@@ -29,6 +29,7 @@ namespace {
 #if defined(INFERLAB_AVX512_BF16)
 using inferlab::exp16;
 using inferlab::first_lanes;
+using inferlab::load16;
 using inferlab::load_bf16x16;
 using inferlab::sum_lanes_of_16;
 #endif
@@ -211,10 +212,6 @@ inline void accumulate_pv(float (&acc)[G][64 * C], const float (&p)[G][kTile], c
       for (int64_t r = 0; r < 4; ++r) _mm512_store_ps(&acc[g][64 * c + 16 * r], a[g][r]);
   }
 }
-
-// 16 query elements as fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) { return load_bf16x16(p); }
 
 // The int8 pool's P.V on VNNI. A tile's value rows are widened to int16 once for every row and query head, in
 // pairs of keys interleaved dim by dim (vi[j / 2]: for each 16 dims, keys j and j + 1 side by side), so that one

@@ -35,8 +35,7 @@ constexpr int64_t kTokens = 4;      // tokens per register tile
 constexpr int64_t kGroup = 32;      // inputs per activation scale
 
 #if defined(INFERLAB_AVX512_BF16)
-inline __m512 load16(const at::BFloat16* p) { return inferlab::load_bf16x16(p); }
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+using inferlab::load16;
 
 // The activations of M tokens: a [M, K] int8, s [M, K / 32] (each group's scale), corr [M] (see above).
 // Rounded by x * (127 / max|x|) in fp32, half to even (vcvtps2dq in the default rounding mode).
