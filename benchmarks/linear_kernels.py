@@ -15,7 +15,7 @@ w8a8`'s kernel (kernels/w8a8_gemm.cpp: int8 weights, activations rounded to int8
 the weight-only int8 kernel the int8 mode uses for small steps (up to 64 rows); their GB/s count the int8 bytes. A
 last line times the int8 LM head the int4 mode keeps (49152 x 576, inferlab's int8 kernel) at one token.
 
-`--against REV` times instead this tree's packed kernels (bf16 and w8a8) and int4 kernel against git revision
+`--against REV` times instead this tree's packed kernels (bf16 and w8a8), int4 and int8 kernels against git revision
 REV's (built beside them from `git archive`), pass by pass alternately, for every --rows, then the bf16 LM head
 (49152 x 576, fp32 logits) at one row; where the two do not give the same bits (a change that reorders a kernel's
 sums), the row says by how much they differ, and more than 1% of the largest output stops it.
@@ -177,10 +177,13 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
     w8 = [(w8[2 * i], w8[2 * i + 1], n) for i, n in enumerate(outs)]
     q4 = huge_page_copies([t for w in weights for t in random_q4_1(g, *w.shape)])
     q4 = [tuple(q4[3 * i:3 * i + 3]) for i in range(len(weights))]
+    i8 = huge_page_copies([t for w in weights for t in quantize_int8(w)])
+    i8 = [(i8[2 * i], i8[2 * i + 1]) for i in range(len(weights))]
     cases = {
         "bf16": lambda m, xs: [m.packed_linear(xs[p.shape[1] * 2], p, n, False) for p, n in zip(packs[m], outs)],
         "w8a8": lambda m, xs: [m.w8a8_linear(xs[p.shape[1] * 4], p, s, n) for p, s, n in w8],
         "int4": lambda m, xs: [m.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32) for q, d, mn in q4],
+        "int8": lambda m, xs: [m.int8_linear(xs[q.shape[1]], q, s) for q, s in i8],
     }
     print(f"{torch.get_num_threads()} threads; {layers} layers' matmuls a pass (SmolLM2-135M's shapes); median of "
           f"{passes} passes; this tree against {rev}")
