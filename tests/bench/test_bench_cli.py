@@ -256,6 +256,29 @@ def test_duration_bounds_sending_in_both_loops(fake, bench):
     assert res["runs"][0]["counts"]["completed"] == len(recs)
 
 
+def test_a_client_stalled_past_the_duration_sends_nothing(fake, bench, monkeypatch):
+    """A user that passed the duration check and then stalled (a busy machine descheduling the client) must not
+    send once the duration is over: the second request's preparation blocks past the end, so only the first is sent.
+    """
+    import inferlab.bench.client as client
+
+    real, calls = client.build_body, []
+
+    def stalled(target, spec):
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(0.35)
+        return real(target, spec)
+
+    monkeypatch.setattr(client, "build_body", stalled)
+    url, _ = fake(ttft=0.002, itl=0.001)
+    rc, res, out = bench("--base-url", url, "--concurrency", "1", "--duration", "0.3s", "--input-len", "8",
+                         "--output-len", "2")
+    recs = list(read_records(out / "records.jsonl"))
+    assert rc == 0 and len(calls) >= 2 and [r.index for r in recs] == [0] and recs[0].sent < 0.3
+    assert res["runs"][0]["counts"]["completed"] == 1
+
+
 def test_open_loop_cap_counts_the_wait_as_client_delay(fake, bench):
     url, _ = fake(ttft=0.05, itl=0.005)
     rc, res, out = bench("--base-url", url, "--rate", "inf", "--num-requests", "6", "--max-concurrency", "2",

@@ -131,28 +131,34 @@ class Client:
         self._headers = target.headers()
         self._path = "/v1/chat/completions" if target.endpoint == "chat" else "/v1/completions"
 
-    async def send(self, rec: RequestRecord, spec: RequestSpec) -> str:
+    async def send(self, rec: RequestRecord, spec: RequestSpec, send_before: float | None = None) -> str | None:
         """Send one request and fill `rec` in place with what arrived; never raises for server faults, which
         become rec.error_kind. Cancellation propagates (the runner marks the record). Returns the answer's
-        text (reasoning left out; "" when the request failed): a conversation's next turn resends it."""
+        text (reasoning left out; "" when the request failed): a conversation's next turn resends it.
+        With `send_before` (a time on the run's clock), a request that would be sent at or after it is not
+        sent and None is returned. The check and `rec.sent` are one clock reading: a client descheduled
+        between the runner's decision and the send still never stamps a send past a --duration."""
+        headers = dict(self._headers)
+        headers["X-Request-Id"] = rec.request_id
+        request = self.pool.request_bytes("POST", self._path, headers, build_body(self.target, spec))
+        rec.input_len, rec.output_len = spec.input_len, spec.output_len
+        sent = time.perf_counter() - self.t0
+        if send_before is not None and sent >= send_before:
+            return None
+        rec.sent = sent
         state = _StreamState(rec, self.t0, self.target.endpoint == "chat")
-        await self._send(rec, spec, state)
+        await self._send(rec, request, state)
         if not rec.ok:
             return ""
         if not self.target.stream:
             return state.whole_text
         return "".join(x for x, k in zip(state.texts, state.kinds) if not k)
 
-    async def _send(self, rec: RequestRecord, spec: RequestSpec, state: "_StreamState") -> None:
-        headers = dict(self._headers)
-        headers["X-Request-Id"] = rec.request_id
-        request = self.pool.request_bytes("POST", self._path, headers, build_body(self.target, spec))
-        rec.input_len, rec.output_len = spec.input_len, spec.output_len
-        perf, t0 = time.perf_counter, self.t0
+    async def _send(self, rec: RequestRecord, request: bytes, state: "_StreamState") -> None:
+        t0 = self.t0
         conn = ex = None
         try:
             async with asyncio.timeout(self.target.timeout):
-                rec.sent = perf() - t0
                 conn, ex = await self.pool.start(request, state.on_event if self.target.stream else None)
                 try:
                     rec.http_status = await ex.head

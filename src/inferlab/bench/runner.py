@@ -147,19 +147,25 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
             if on_done is not None:
                 on_done(rec)
 
-        async def one(rec: RequestRecord, spec: RequestSpec | None = None) -> str:
+        # A closed loop's users stop at the duration; an open loop's schedule already ends before it, and a
+        # request sent late is the client delay its records show.
+        send_before = None if plan.load.open_loop else plan.duration
+
+        async def one(rec: RequestRecord, spec: RequestSpec | None = None) -> str | None:
+            """The answer's text; None when the duration ended before the request could be sent (no record)."""
             spec = spec or plan.pool[rec.index % len(plan.pool)]
             try:
                 if cap is not None:
                     async with cap:
-                        answer = await client.send(rec, spec)
+                        answer = await client.send(rec, spec, send_before)
                 else:
-                    answer = await client.send(rec, spec)
+                    answer = await client.send(rec, spec, send_before)
             except asyncio.CancelledError:
                 rec.error_kind, rec.error = "cancelled", "the run was interrupted before this request ended"
                 finish(rec)
                 raise
-            finish(rec)
+            if answer is not None:
+                finish(rec)
             return answer
 
         async def user() -> None:
@@ -169,7 +175,8 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
                 i = counter.next()
                 if plan.num_requests is not None and i >= plan.num_requests:
                     return
-                await one(new(i, None))
+                if await one(new(i, None)) is None:
+                    return
 
         async def session_user() -> None:
             """Take the next session and run its turns, each resending the history with the model's actual
@@ -189,6 +196,8 @@ async def run_worker(plan: WorkerPlan, stop: asyncio.Event, on_done: Callable[[R
                     rec = new(i, None)
                     rec.session, rec.turn = sid, t
                     answer = await one(rec, RequestSpec(messages=msgs, input_len=in_len, output_len=turn.output_len))
+                    if answer is None:
+                        return
                     if not rec.ok:
                         break
                     hist.answer(answer, rec.output_tokens)
