@@ -4,6 +4,7 @@ re-simulation, and the workload drawn as bench draws it. Model-free."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -202,6 +203,39 @@ def test_the_request_overhead_is_fitted_request_by_request(setup, tmp_path):
     assert "TTFT p50" in fit.notes[-1]
 
 
+def test_the_request_overhead_from_requests_served_alone_is_free_of_queueing(setup, tmp_path):
+    """A step model that misprices decodes (the server's cost 20 ms a sequence more than the profile says) leaves
+    the requests queued at 1 req/s paired with simulated ones that started sooner, and the overhead fitted there
+    takes up the difference; served one at a time (calibrate served --alone), each request's TTFT is its prefill
+    alone, which the mispricing does not touch, and the known overhead (5 ms) comes back."""
+    from inferlab.bench.records import RequestRecord
+    from inferlab.lab.simulate_cli import fit_request_overhead
+    from inferlab.lab.simulator import Simulation, Topology
+
+    card, profile, _ = setup
+    c, cost = load_card(card), StepCost.load(profile)
+    truth = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.005,
+                                "per_decode_seq": cost.per_decode_seq + 0.02})
+
+    def measured_run(rate, folder):
+        reqs = card_requests(c.traffic, 60, rate=math.inf if rate is None else rate, arrival="poisson")
+        run = Simulation(truth, shape_from(cost.engine), Topology()).run(reqs, users=1 if rate is None else None)
+        records = [RequestRecord(index=int(o.request_id[1:]), warmup=o.warmup, scheduled=o.arrival, sent=o.arrival,
+                                 end=o.finish, chunk_times=[o.first_token], chunk_tokens=[1], input_len=o.prompt_len)
+                   for o in run.outcomes]
+        folder.mkdir()
+        (folder / "records.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
+        return {"latency": {"ttft": {"p50": 0.0}}, "path": str(folder / "results.json")}
+
+    fitted = {}
+    for rate, folder in ((1.0, tmp_path / "rate"), (None, tmp_path / "alone")):
+        fit = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.0})
+        fit_request_overhead(fit, c, rate, 60, measured_run(rate, folder))
+        fitted[rate] = fit.request_overhead, fit.notes[-1]
+    assert fitted[1.0][0] > 0.005 + 0.02 and "at 1 req/s" in fitted[1.0][1]
+    assert fitted[None][0] == pytest.approx(0.005, abs=1e-6) and "served one at a time" in fitted[None][1]
+
+
 def test_bad_input_is_named(setup, capsys):
     card, profile, tmp = setup
     assert main(["simulate", "predict", str(card), "--profile", str(tmp / "nope.json")]) == 2
@@ -221,6 +255,8 @@ def test_bad_input_is_named(setup, capsys):
     assert "--leave-one-out needs at least two rates" in capsys.readouterr().err
     assert main(["simulate", "calibrate", "served", str(card), "--rates", "1", "--depth-probe", "-1"]) == 2
     assert "--depth-probe -1: give a prompt length in tokens, or 0 for no probe" in capsys.readouterr().err
+    assert main(["simulate", "calibrate", "served", str(card), "--rates", "1", "--alone", "-1"]) == 2
+    assert "--alone -1: give a number of requests" in capsys.readouterr().err
 
 
 def test_trace_replay_keeps_times_lengths_and_shared_blocks(setup, tmp_path):

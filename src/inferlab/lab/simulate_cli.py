@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="then serve prompts of 512, 1024, ... up to this many tokens, one at a time, so that the fit "
                          "sees prefill attention deeper than the card's prompts and the profile predicts longer "
                          "ones (~30 s on a 2-core CPU at 4096); 0: the card's load only")
+    sv.add_argument("--alone", type=int, default=20, metavar="N",
+                    help="then N of the card's requests one at a time: what their TTFTs exceed their simulated "
+                         "ones by is the request overhead (HTTP, tokenization, the first write); 0: take it from the "
+                         "lowest rate's requests, where queueing mixes in the step model's errors")
     tr = cal.add_parser("trace", help="fit to step traces written by `inferlab serve --step-trace`")
     tr.add_argument("traces", nargs="+", help="trace files of one engine setting (a disaggregated server's worker "
                                               "traces together)")
@@ -186,6 +190,8 @@ def _calibrate_served(args, command: str):
                          f"engine's step trace); for another server use `calibrate bench`")
     if args.depth_probe < 0:
         raise ValueError(f"--depth-probe {args.depth_probe}: give a prompt length in tokens, or 0 for no probe")
+    if args.alone < 0:
+        raise ValueError(f"--alone {args.alone}: give a number of requests, or 0 to fit the overhead at the lowest rate")
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = out_dir / "steps.jsonl"
@@ -197,26 +203,34 @@ def _calibrate_served(args, command: str):
         # validation run on the same server, or the other way round.
         points = bench_rates(card, [LoadPoint(r, args.requests, card.traffic.seed + 1000 + i)
                                     for i, r in enumerate(rates)], out_dir, base_url=srv.base_url)
+        alone = bench_rates(card, [LoadPoint(0.0, args.alone, card.traffic.seed + 2000, users=1)], out_dir,
+                            base_url=srv.base_url) if args.alone else []
         probed = probe_depths(srv.base_url, args.depth_probe, api_key=srv.api_key,
                               log=lambda m: print(m, file=sys.stderr)) if args.depth_probe else []
     cost = calibrate_served([trace], _this_machine(), command)
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
                           f"after the card's load, {len(probed)} in all (depth_probe.py)")
-    if points:
+    if alone:
+        _, card_k, measured = alone[0]
+        fit_request_overhead(cost, card_k, None, args.alone, measured)
+    elif points:
         rate, card_k, measured = min(points, key=lambda p: p[0])
         fit_request_overhead(cost, card_k, rate, args.requests, measured)
     return cost
 
 
-def fit_request_overhead(cost, card, rate: float, requests: int, measured: dict) -> None:
+def fit_request_overhead(cost, card, rate: float | None, requests: int, measured: dict) -> None:
     """The request overhead (HTTP, tokenization, the first write: outside the steps) from one calibration run of
-    `card` (as run: its seed) at `rate`, `requests` requests. The simulation without it is bench's draw request by
-    request, so each measured request's TTFT pairs with its simulated one; the overhead is the median of the
-    differences. The difference of the two TTFT p50s, used before (and still when the run's records are not at
-    hand), mixes requests that queued differently: three calibrations of one server within an hour gave 0.6, 6.7
-    and 19.8 ms, and the paired median 2.3, 2.5 and 4.1 (docs/benchmarks.md). From the lowest rate only: under a
-    queue, TTFT amplifies every error of the step model (seen: +7 ms at 1 req/s, +173 ms at 3 req/s)."""
+    `card` (as run: its seed), `requests` requests at `rate`, or one at a time (rate None: a closed loop of one
+    user). The simulation without it is bench's draw request by request, so each measured request's TTFT pairs
+    with its simulated one; the overhead is the median of the differences. The difference of the two TTFT p50s,
+    used before (and still when the run's records are not at hand), mixes requests that queued differently: three
+    calibrations of one server within an hour gave 0.6, 6.7 and 19.8 ms, and the paired median 2.3, 2.5 and 4.1
+    (docs/benchmarks.md). Under a queue, TTFT amplifies every error of the step model (seen: +7 ms at 1 req/s,
+    +173 ms at 3 req/s), even at a low rate: two calibrations on the Xeon found 22.7 and 18.6 ms at 1 req/s, 4.9
+    ms over requests served alone, and the short card's light-load TTFT p50 came out +19% with the first, -8% with
+    the last (docs/benchmarks.md). Requests served alone queue behind nothing."""
     from statistics import median
 
     from inferlab.bench import metrics
@@ -228,8 +242,8 @@ def fit_request_overhead(cost, card, rate: float, requests: int, measured: dict)
     from inferlab.lab.step_cost import StepCost
 
     without = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.0})
-    reqs = card_requests(card.traffic, requests, rate=rate)
-    run = Simulation(without, shape_from(cost.engine), Topology()).run(reqs)
+    reqs = card_requests(card.traffic, requests, rate=math.inf if rate is None else rate)
+    run = Simulation(without, shape_from(cost.engine), Topology()).run(reqs, users=1 if rate is None else None)
     simulated = {o.request_id: (o.prompt_len, request_latencies(o)["ttft"]) for o in run.outcomes if not o.warmup}
     records = Path(measured["path"]).with_name("records.jsonl") if measured.get("path") else None
     diffs = []
@@ -242,17 +256,18 @@ def fit_request_overhead(cost, card, rate: float, requests: int, measured: dict)
             diffs = []
             break
         diffs.append(t - simulated_ttft)
+    where = "served one at a time" if rate is None else f"at {rate:g} req/s"
     if diffs:
         cost.request_overhead = max(0.0, median(diffs))
-        cost.notes.append(f"request_overhead: median over {len(diffs)} requests of measured - simulated TTFT at "
-                          f"{rate:g} req/s ({cost.request_overhead * 1e3:.1f} ms)")
+        cost.notes.append(f"request_overhead: median over {len(diffs)} requests of measured - simulated TTFT "
+                          f"{where} ({cost.request_overhead * 1e3:.1f} ms)")
         return
     m = measured["latency"]["ttft"].get("p50")
-    p = summarize(run, load={"kind": "rate", "value": rate}, slos={})["latency"]["ttft"].get("p50")
+    load = {"kind": "concurrency", "value": 1} if rate is None else {"kind": "rate", "value": rate}
+    p = summarize(run, load=load, slos={})["latency"]["ttft"].get("p50")
     if m is not None and p is not None:
         cost.request_overhead = max(0.0, m - p)
-        cost.notes.append(f"request_overhead: measured - simulated TTFT p50 at {rate:g} req/s "
-                          f"({m * 1e3:.1f} - {p * 1e3:.1f} ms)")
+        cost.notes.append(f"request_overhead: measured - simulated TTFT p50 {where} ({m * 1e3:.1f} - {p * 1e3:.1f} ms)")
 
 
 def print_profile(cost) -> None:
@@ -559,6 +574,7 @@ class LoadPoint:
     requests: int
     seed: int
     text_seed: int | None = None  # bench --text-seed: the seed's lengths and arrival times in other words
+    users: int = 0  # a closed loop of this many users instead of the rate (results in users-N/)
 
 
 def bench_rates(card, loads: list[LoadPoint], out_dir: Path, base_url: str | None = None,
@@ -585,12 +601,14 @@ def bench_rates(card, loads: list[LoadPoint], out_dir: Path, base_url: str | Non
         for lp in loads:
             rate = lp.rate
             card_k = replace(card, traffic=replace(card.traffic, seed=lp.seed))
-            cfg = to_bench_config(card_k, base_url=base_url, output_dir=out_dir / f"rate-{rate:g}")
-            cfg.loads = [Load("rate", rate, arrival, burstiness or 1.0)]
+            name = f"users-{lp.users}" if lp.users else f"rate-{rate:g}"
+            cfg = to_bench_config(card_k, base_url=base_url, output_dir=out_dir / name)
+            cfg.loads = [Load("concurrency", lp.users) if lp.users else Load("rate", rate, arrival, burstiness or 1.0)]
             cfg.num_requests, cfg.duration = lp.requests, None
             cfg.workload.text_seed = lp.text_seed
             words = "" if lp.text_seed is None else f", text seed {lp.text_seed}"
-            print(f"bench at {rate:g} req/s ({lp.requests} requests + {cfg.warmup} warmup, seed {lp.seed}{words}) ...",
+            at = f"{lp.users} at a time" if lp.users else f"at {rate:g} req/s"
+            print(f"bench {at} ({lp.requests} requests + {cfg.warmup} warmup, seed {lp.seed}{words}) ...",
                   file=sys.stderr)
             t0 = time.perf_counter()  # the clock a step trace stamps steps with (CLOCK_MONOTONIC)
             outcome = asyncio.run(Benchmark(cfg).run())
