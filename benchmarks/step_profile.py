@@ -7,6 +7,10 @@ B sequences with --context random prompt tokens are prefilled, then --steps deco
 around each phase the engine runs: scheduling, input preparation, the decoder layers (`model`: one C++ call for
 decode-only steps on the CPU), the LM head (`logits`), sampling, and appending the tokens (detokenization, stop
 checks). `other` is the rest of `LLMEngine.step`. The timers cost a few microseconds per call.
+
+`--warm N` then repeats the input preparation, the decoder layers, the LM head and the sampler N times each, back to
+back, on one step's inputs: what each costs with its code and data in the caches, where in the step loop the weights
+it streams between them have pushed both out.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a GGUF or HF folder, or gemma3 (the Gemma 3 270M package's "
                                                   "file); default: the bundled SmolLM2")
     ap.add_argument("--engine-arg", action="append", default=[], help="EngineConfig field=value, repeatable")
+    ap.add_argument("--warm", type=int, default=0, metavar="N", help="then each phase N times back to back")
     args = ap.parse_args()
 
     from inferlab import LLM, SamplingParams
@@ -81,8 +86,37 @@ def main() -> None:
         parts = {k: v / args.steps * 1e3 for k, v in times.items()}
         parts["other"] = total - sum(parts.values())
         print(f"batch {b:3d}: {total:6.2f} ms a step | " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+        if args.warm:
+            print(f"           warm, each {args.warm} times back to back: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in warm_phases(eng, args.warm).items()))
         for rid in list(eng.requests):
             eng.abort(rid)
+
+
+def warm_phases(eng, repeats: int) -> dict[str, float]:
+    """ms a call of each phase repeated back to back on the next step's inputs (the step itself is not run: the
+    caller aborts its requests after)."""
+    batch = eng.scheduler.schedule()
+    tables = [eng.block_manager.table(s.request_id) for s in batch.seqs]
+    runner, model = eng.runner, eng.runner.model
+    inputs = runner.prepare(batch, tables)
+    with torch.inference_mode():
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta)
+        logits = model.compute_logits(hidden[inputs.logits_index])
+        phases = {
+            "prepare": lambda: runner.prepare(batch, tables),
+            "model": lambda: model(inputs.input_ids, inputs.positions, inputs.meta),
+            "logits": lambda: model.compute_logits(hidden[inputs.logits_index]),
+            "sampler": lambda: eng._sample_batch(logits, inputs.sample_seqs, inputs.logits_per_seq),
+        }
+        out = {}
+        for name, fn in phases.items():
+            fn()
+            t = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            out[name] = (time.perf_counter() - t) / repeats * 1e3
+    return out
 
 
 if __name__ == "__main__":
