@@ -6,8 +6,8 @@ Times, at one token, the int8 LM head the int4 mode keeps (49152 x 576, inferlab
 engine places it) and a plain fp32 sum over the same 28 MB: hot (called again at once) and after reading N MB of
 other memory, which leaves in the caches only what N MB did not push out. Then the read-bandwidth probe that
 benchmarks/peers.py divides a token's bytes by (lab/hardware.py: a sum over 256 MiB) against the same sum over
-2 GiB. A step streams 90 MB (int4) to 270 MB (bf16); where a host keeps a good part of that between steps, the
-256 MiB probe reads partly from the cache, and so does the engine.
+2 GiB: whether the probe the one-stream bound is drawn from reads partly from the caches. A step streams 90 MB
+(int4) to 270 MB (bf16); what the caches keep of it between steps, the engine reads faster.
 """
 
 from __future__ import annotations
