@@ -114,6 +114,53 @@ def test_a_burst_of_prompts_is_prefilled_within_the_drain_steps():
     assert steps == DRAIN_STEPS
 
 
+def test_decode_steps_with_no_prompt_waiting_never_solve_the_fit(monkeypatch):
+    """The fit is solved once a step while prompts wait to be bounded, never for decode-only steps with none (a
+    one-sequence decode step spent 0.18 ms of its 5.8 solving it, served defaults); the outlier test uses the fit as
+    last solved; and a queue that empties ends the drain rate its burst set, so a lone prompt after it is chunked by
+    the slack again."""
+    import inferlab.engine.step_budget as step_budget
+
+    budget = PrefillBudget(1.01, min_tokens=16)
+    feed(budget, np.random.default_rng(5), 300)
+    sched = Scheduler(BlockManager(4000, 16, enable_prefix_caching=False), max_num_seqs=64,
+                      max_num_batched_tokens=2048, prefill_budget=budget)
+    rng = np.random.default_rng(6)
+
+    def add(n: int, length: int) -> list[Sequence]:
+        seqs = [Sequence(f"s{len(sched.running) + len(sched.waiting)}-{i}-{length}",
+                         rng.integers(10, 30000, length).tolist(), SamplingParams(max_tokens=10_000),
+                         RequestMetrics(0.0)) for i in range(n)]
+        for seq in seqs:
+            sched.add(seq)
+        return seqs
+
+    def step() -> ScheduledBatch:
+        batch = run_step(sched)
+        prefill = batch.num_tokens - batch.num_decodes
+        budget.observe(batch.num_decodes, batch.num_attended, prefill, cost(batch.num_decodes, batch.num_attended,
+                                                                          prefill))
+        return batch
+
+    add(4, 64)
+    step()  # their prompts, alone: unbounded
+    solves = []
+    solve = step_budget.nonnegative_solve
+    monkeypatch.setattr(step_budget, "nonnegative_solve", lambda gram, rhs: solves.append(1) or solve(gram, rhs))
+    for _ in range(20):
+        assert step().num_decodes == 4
+    assert solves == []
+    prompts = add(8, 1000)
+    batch = step()
+    assert len(solves) == 1 and batch.num_tokens - batch.num_decodes == 8000 // DRAIN_STEPS
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in prompts):
+        step()
+    step()  # nothing waits: the held rate ends
+    add(1, 1000)
+    batch = step()
+    assert batch.num_tokens - batch.num_decodes == max(16, -(-1000 // DRAIN_STEPS)) < 8000 // DRAIN_STEPS
+
+
 def run_step(sched: Scheduler) -> ScheduledBatch:
     """One step: every sequence whose prompt is done samples one token."""
     batch = sched.schedule()

@@ -136,6 +136,9 @@ class Scheduler:
             return None
         backlog = (sum(s.num_tokens - s.num_computed_tokens for s in self.running if not _decoding(s))
                    + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting))
+        if backlog == 0:  # no prompt to bound
+            self.prefill_budget.queue_empty()
+            return None
         return self.prefill_budget.tokens(len(decoding), sum(s.num_computed_tokens + 1 for s in decoding), backlog)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
