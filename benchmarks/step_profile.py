@@ -6,7 +6,9 @@
 B sequences with --context random prompt tokens are prefilled, then --steps decode steps are timed with a timer
 around each phase the engine runs: scheduling, input preparation, the decoder layers (`model`: one C++ call for
 decode-only steps on the CPU), the LM head (`logits`), sampling, and appending the tokens (detokenization, stop
-checks). `other` is the rest of `LLMEngine.step`. The timers cost a few microseconds per call.
+checks), and the scheduler's `observe` (the prefill budget's fit, with `--engine-arg decode_stall_ratio=1.5`, the
+served default; off here unless given). `other` is the rest of `LLMEngine.step`. The timers cost a few microseconds
+per call.
 
 `--warm N` then repeats the input preparation, the decoder layers, the LM head and the sampler N times each, back to
 back, on one step's inputs: what each costs with its code and data in the caches, where in the step loop the weights
@@ -39,7 +41,7 @@ def main() -> None:
 
     from inferlab.common.bundled import gemma3_model_path
 
-    extra = dict(kv.split("=", 1) for kv in args.engine_arg)
+    extra = {k: _value(v) for k, v in (kv.split("=", 1) for kv in args.engine_arg)}
     if args.model:
         extra["model"] = str(gemma3_model_path()) if args.model == "gemma3" else args.model
     # No decode-stall bound: the batch's prompts are prefilled before its decode steps are timed (with the bound,
@@ -61,6 +63,7 @@ def main() -> None:
         setattr(obj, name, wrapper)
 
     timed(eng.scheduler, "schedule", "schedule")
+    timed(eng.scheduler, "observe", "observe")  # the prefill budget's fit (decode_stall_ratio; off by default here)
     timed(eng.runner, "prepare", "prepare")
     timed(eng.runner.model.model, "forward", "model")
     timed(eng.runner.model, "compute_logits", "logits")
@@ -91,6 +94,18 @@ def main() -> None:
                 f"{k} {v:.3f}" for k, v in warm_phases(eng, args.warm).items()))
         for rid in list(eng.requests):
             eng.abort(rid)
+
+
+def _value(text: str):
+    """An --engine-arg value as the EngineConfig field takes it: a number or None where it reads as one."""
+    if text == "None":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def warm_phases(eng, repeats: int) -> dict[str, float]:
