@@ -88,15 +88,20 @@ def test_never_below_the_minimum_chunk_nor_slower_than_the_queue_drains():
     assert budget.tokens(1, 100, backlog=4000) == 4000 // DRAIN_STEPS
 
 
+def slack_bound_scheduler(num_blocks: int) -> tuple[PrefillBudget, Scheduler, np.random.Generator]:
+    """A budget fitted at a ratio whose slack is a few tokens, a scheduler it bounds, and the prompts' generator."""
+    budget = PrefillBudget(1.01, min_tokens=16)
+    feed(budget, np.random.default_rng(5), 300)
+    sched = Scheduler(BlockManager(num_blocks, 16, enable_prefix_caching=False), max_num_seqs=64,
+                      max_num_batched_tokens=2048, prefill_budget=budget)
+    return budget, sched, np.random.default_rng(6)
+
+
 def test_a_burst_of_prompts_is_prefilled_within_the_drain_steps():
     """Eight 1,000-token prompts arrive beside four decoding streams, at a ratio whose slack is a few tokens: the
     queue clears in DRAIN_STEPS steps (the rate it set on arrival), not the ~3x it took at a rate recomputed on
     what was left."""
-    budget = PrefillBudget(1.01, min_tokens=16)
-    feed(budget, np.random.default_rng(5), 300)
-    sched = Scheduler(BlockManager(2000, 16, enable_prefix_caching=False), max_num_seqs=64,
-                      max_num_batched_tokens=2048, prefill_budget=budget)
-    rng = np.random.default_rng(6)
+    budget, sched, rng = slack_bound_scheduler(2000)
     decoding = [Sequence(f"d{i}", rng.integers(10, 30000, 64).tolist(), SamplingParams(max_tokens=10_000),
                          RequestMetrics(0.0)) for i in range(4)]
     for seq in decoding:
@@ -121,11 +126,7 @@ def test_decode_steps_with_no_prompt_waiting_never_solve_the_fit(monkeypatch):
     the slack again."""
     import inferlab.engine.step_budget as step_budget
 
-    budget = PrefillBudget(1.01, min_tokens=16)
-    feed(budget, np.random.default_rng(5), 300)
-    sched = Scheduler(BlockManager(4000, 16, enable_prefix_caching=False), max_num_seqs=64,
-                      max_num_batched_tokens=2048, prefill_budget=budget)
-    rng = np.random.default_rng(6)
+    budget, sched, rng = slack_bound_scheduler(4000)
 
     def add(n: int, length: int) -> list[Sequence]:
         seqs = [Sequence(f"s{len(sched.running) + len(sched.waiting)}-{i}-{length}",
