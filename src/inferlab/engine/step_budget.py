@@ -103,9 +103,9 @@ class PrefillBudget:
 
         With prompts waiting, each step solves the fit once (in tokens()); with none, no step does, and the
         outlier test in observe() uses the fit as last solved. Solved every step, the fit cost a one-sequence
-        decode step 0.18 ms of its 5.8 (int4, the served defaults; the scheduler's and observe()'s time, timed
-        around them in a step loop): a dozen small numpy calls whose code and data each step's weight stream had
-        pushed out of the caches."""
+        int4 decode step ~0.19 ms of its ~5.4 (`benchmarks/step_profile.py --batches 1 1 1 1 1 --engine-arg
+        decode_stall_ratio=1.5`, docs/benchmarks.md round 20): a dozen small numpy calls whose code and data each
+        step's weight stream had pushed out of the caches."""
         self._drain = 0
 
     def predict(self, decodes: int, attended: int, prefill: int) -> float | None:
