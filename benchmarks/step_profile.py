@@ -46,7 +46,7 @@ def main() -> None:
         extra["model"] = str(gemma3_model_path()) if args.model == "gemma3" else args.model
     # No decode-stall bound: the batch's prompts are prefilled before its decode steps are timed (with the bound,
     # the first sequences would decode, and finish, while the last ones still prefill).
-    llm = LLM(dtype="bfloat16", kv_cache_memory=1024 * 2**20, **{"decode_stall_ratio": None, **extra})
+    llm = LLM(**{"dtype": "bfloat16", "kv_cache_memory": 1024 * 2**20, "decode_stall_ratio": None, **extra})
     eng = llm.engine
     times: dict[str, float] = collections.defaultdict(float)
 
