@@ -3,9 +3,11 @@
 Why this form. An engine step (schedule -> forward -> sample) on inferlab's engine, vLLM or SGLang costs
   - a constant: every weight is read once per step whatever the batch (the bandwidth-bound floor of decode), plus
     the step's fixed Python and launch overhead             -> `intercept`
-  - per prefill token: each prompt token goes through every GEMM (compute)    -> `per_prefill_token`
-  - per decoding sequence: its one token through the GEMMs, on the engine's decode path (on the CPU a GEMV-like
-    C++ path; on a GPU the same GEMMs at a small M)                          -> `per_decode_seq`
+  - per prefill token: each prompt token goes through every GEMM (compute); so does a decode's token in a step
+    that carries a prefill chunk, one more row of the same GEMMs             -> `per_prefill_token`
+  - per decoding sequence of a decode-only step: its one token through the GEMMs on the engine's decode path (on
+    the CPU a GEMV-like C++ path; on a GPU the same GEMMs at a small M, in a captured graph)
+                                                                            -> `per_decode_seq`
   - per key a decode attends: it reads that key's K and V from the cache, once per layer (memory: 23 KB a key for
     SmolLM2 in bf16, ~1 µs at 20 GB/s)                                      -> `per_attended`
   - per (query, key) pair of a prefill chunk's attention: n tokens after c computed ones do n·(c + (n+1)/2) pairs
@@ -81,9 +83,15 @@ def chunk_features(num_computed: int, n: int, samples: bool) -> StepFeatures:
 
 def shape_features(shape: BatchShape) -> StepFeatures:
     """The features of one step, from its batch's shape (engine/step_trace.py). A query of one token counts as a
-    decode, as the engine's runner treats it (batch.num_decodes)."""
-    f = StepFeatures(1, 0, shape.num_decodes, shape.decode_context, shape.num_decodes,
-                     prefill_steps=1 if shape.chunks else 0)
+    decode, as the engine's runner treats it (batch.num_decodes). Beside a prefill chunk a decode's token is one
+    more row of the general path's GEMMs, so it counts as a prefill token there (its attention and its sampled row
+    as a decode's). Charged at the decode path's per-sequence cost instead, the error grew with the decodes: on
+    the 2-core machine a step with one decode beside a chunk was predicted 2-5% fast, one with four 6-11% slow
+    (docs/benchmarks.md, "Decodes beside a prefill chunk")."""
+    d = shape.num_decodes
+    if not shape.chunks:
+        return StepFeatures(1, 0, d, shape.decode_context, d)
+    f = StepFeatures(1, d, 0, shape.decode_context, d, prefill_steps=1)
     for c, n, samples in shape.chunks:
         f = f + chunk_features(c, n, samples)
     return f
