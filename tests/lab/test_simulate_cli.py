@@ -105,6 +105,21 @@ def test_searches_answer_what_they_claim(setup):
     assert not capacity.meets(card, capacity.simulate(sc.with_topology(replicas=n - 1), rate=2.5 * m.rate))
 
 
+def test_the_slo_max_of_a_draw_is_searched_past_saturation(setup):
+    """A draw of a few dozen requests can meet the card above the rate the server sustains (its queue has not
+    grown far by its last request): the load's answer stays capped at saturation, the draw's own (what validate
+    benches on both sides of) is where that draw stops meeting the card."""
+    card_path, profile, tmp = setup
+    loose = tmp / "loose.yaml"  # a TTFT objective a queue takes a while to break
+    loose.write_text(CARD.replace("ttft: {p99: 400ms}", "ttft: {p99: 2s}"))
+    card, cost = load_card(loose), StepCost.load(profile)
+    sc = capacity.Scenario(card, cost, capacity.card_shape(card, cost), requests=40)
+    capped, draw = capacity.max_rate(sc), capacity.max_rate(sc, past_saturation=True)
+    assert capped.rate <= capped.saturation < draw.rate  # so the checks below test the search past it
+    assert capacity.meets(card, capacity.simulate(sc, rate=draw.rate))
+    assert not capacity.meets(card, capacity.simulate(sc, rate=draw.rate * 1.03))
+
+
 def test_workload_is_benchs_draw(setup):
     """Same seed and load point as `inferlab bench` (one worker): the same arrival times and lengths."""
     card = load_card(setup[0])
@@ -333,7 +348,8 @@ def test_validate_brackets_the_slo_max_rate_of_the_draw_it_sends(setup, tmp_path
     sc = capacity.Scenario(c, cost, capacity.card_shape(c, cost))
     draw = replace(c, traffic=replace(c.traffic, seed=c.traffic.seed + 1))
     assert got["draw"] == {"seed": c.traffic.seed + 1, "requests": 30}
-    assert got["predicted"] == pytest.approx(capacity.max_rate(replace(sc, card=draw, requests=30)).rate)
+    assert got["predicted"] == pytest.approx(capacity.max_rate(replace(sc, card=draw, requests=30),
+                                                               past_saturation=True).rate)
     assert got["load_predicted"] == pytest.approx(capacity.max_rate(replace(sc, requests=300)).rate)
     assert got["predicted"] != pytest.approx(got["load_predicted"], rel=0.05)  # so the checks above can fail
     points = json.loads(out.read_text())["points"]

@@ -491,7 +491,8 @@ def _validate(args) -> int:
         # on one draw at two rates, only the model (and the host) can put the server on the wrong side.
         draw_seed = sc.card.traffic.seed + len(rates)
         draw_card = replace(sc.card, traffic=replace(sc.card.traffic, seed=draw_seed))
-        m = capacity.max_rate(replace(sc, card=draw_card, arrival=arrival, requests=args.bracket_requests))
+        m = capacity.max_rate(replace(sc, card=draw_card, arrival=arrival, requests=args.bracket_requests),
+                              past_saturation=True)
         if m.rate is None:
             raise ValueError("the card's objectives are not met at any simulated rate: no SLO-max rate to check")
         bracket = (m.rate, m.rate * (1 - args.max_rate_within), m.rate * (1 + args.max_rate_within))
