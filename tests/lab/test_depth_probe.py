@@ -9,12 +9,12 @@ import pytest
 from inferlab.bench.launcher import free_port, inferlab_argv, launch
 from inferlab.engine.step_trace import read_step_trace
 from inferlab.lab.calibrate import PAIR_DEPTH, trace_measurements, unidentified
-from inferlab.lab.depth_probe import depth_ladder, probe_depths
+from inferlab.lab.depth_probe import ASKED, depth_ladder, probe_depths
 
 
 def test_the_ladder_doubles_from_512_to_the_deepest_prompt_the_context_holds():
     assert depth_ladder(4096, 8192) == [512, 1024, 2048, 4096]
-    assert depth_ladder(4096, 1100) == [512, 1024, 1098]  # two tokens are asked for
+    assert depth_ladder(4096, 1100) == [512, 1024, 1100 - ASKED]  # room for the tokens asked
     assert depth_ladder(3000, 8192) == [512, 1024, 2048, 3000]
     assert depth_ladder(400, 8192) == []
 
@@ -32,7 +32,7 @@ def test_the_probe_serves_each_depth_alone_and_its_trace_prices_a_pair(tmp_path)
             probe_depths(srv.base_url, 300, log=lambda m: None)
     finally:
         srv.stop()
-    assert served == [512, 1024, 1098]
+    assert served == [512, 1024, 1100 - ASKED]
     _, rows = read_step_trace(trace)
     prefills = [r for r in rows if r["p"]]
     # Alone on the server: no step carries a prefill chunk and a decode together, and each prompt's chunks add
@@ -41,9 +41,10 @@ def test_the_probe_serves_each_depth_alone_and_its_trace_prices_a_pair(tmp_path)
     starts = [i for i, r in enumerate(prefills) if r["p"][0][0] == 0]
     per_prompt = [sum(r["p"][0][1] for r in prefills[a:b]) for a, b in zip(starts, [*starts[1:], None])]
     assert per_prompt == served
-    # Each prompt's second token is one decode at its depth.
+    # Each prompt's tokens after its first are decodes at its depth, alone.
     decodes = [r for r in rows if not r["p"]]
-    assert len(decodes) == len(served) and all(r["d"] == 1 for r in decodes)
+    assert [r["da"] for r in decodes] == [n + k for n in served for k in range(1, ASKED)]
+    assert all(r["d"] == 1 for r in decodes)
     feats, _, _ = trace_measurements(rows)
     assert max(f.prefill_pairs / f.prefill_tokens for f in feats if f.prefill_tokens) >= PAIR_DEPTH
     assert unidentified(feats) == ()

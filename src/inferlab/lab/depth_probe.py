@@ -10,7 +10,11 @@ A few prompts of 512 to 4,096 tokens, alone on the server so that their chunks a
 down in ~30 s, and the profile then predicts prompt lengths the card never sent.
 
 The prompts are token ids (the completions API takes them), so each length is exact and needs no tokenizer; each
-asks for two tokens, so its last step also times one decode at that depth.
+asks for ASKED tokens, so its last steps also time decodes at that depth, alone. They pin the price of a key a
+decode reads, which a card of short prompts leaves to chance: its decodes attend 100-300 keys, and a fit to
+examples/card-cpu.yaml's load with one probe decode per prompt priced a key at 0 or at 1.1 µs by the model's
+form, where the probe's decodes at 512-2,048 keys took 1.8-2.6 µs a key more than the load's at ~128
+(docs/benchmarks.md, "Decodes beside a prefill chunk").
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import urllib.request
 import numpy as np
 
 SHALLOWEST = 512
+ASKED = 16  # tokens each prompt asks for: the first, then 15 decodes at its depth (~0.3 s a prompt)
 
 
 def depth_ladder(deepest: int, context: int) -> list[int]:
-    """Prompt lengths from 512 doubling up to `deepest`, each leaving room in the server's context for the two
-    tokens asked."""
-    top = min(deepest, context - 2)
+    """Prompt lengths from 512 doubling up to `deepest`, each leaving room in the server's context for the ASKED
+    tokens."""
+    top = min(deepest, context - ASKED)
     lengths, n = [], SHALLOWEST
     while n <= top:
         lengths.append(n)
@@ -52,7 +57,7 @@ def probe_depths(base_url: str, deepest: int, repeats: int = 2, api_key: str | N
     for _ in range(repeats):
         for n in lengths:
             # Ids 100-20,000: inside any served vocabulary, past the special tokens.
-            body = {"model": model, "prompt": rng.integers(100, 20_000, n).tolist(), "max_tokens": 2,
+            body = {"model": model, "prompt": rng.integers(100, 20_000, n).tolist(), "max_tokens": ASKED,
                     "ignore_eos": True, "temperature": 0.0}
             usage = _post(base_url + "/v1/completions", body, api_key)["usage"]
             if usage["prompt_tokens"] != n:
