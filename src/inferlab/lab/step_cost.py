@@ -84,10 +84,11 @@ def chunk_features(num_computed: int, n: int, samples: bool) -> StepFeatures:
 def shape_features(shape: BatchShape) -> StepFeatures:
     """The features of one step, from its batch's shape (engine/step_trace.py). A query of one token counts as a
     decode, as the engine's runner treats it (batch.num_decodes). Beside a prefill chunk a decode's token is one
-    more row of the general path's GEMMs, so it counts as a prefill token there (its attention and its sampled row
-    as a decode's). Charged at the decode path's per-sequence cost instead, the error grew with the decodes: on
-    the 2-core machine a step with one decode beside a chunk was predicted 2-5% fast, one with four 6-11% slow
-    (docs/benchmarks.md, "Decodes beside a prefill chunk")."""
+    more row of the step's GEMMs at the chunk's size (inferlab's CPU engine runs the whole step as rows of its
+    decode plan: engine/model_runner.py, ROW_ATTENTION_MAX_KEYS), so it counts as a prefill token there, its
+    attention and its sampled row as a decode's. Charged at the decode-only step's per-sequence cost instead, the
+    error grew with the decodes: on the 2-core machine a step with one decode beside a chunk was predicted 2-10%
+    fast, one with four 6-11% slow (docs/benchmarks.md, "Decodes beside a prefill chunk")."""
     d = shape.num_decodes
     if not shape.chunks:
         return StepFeatures(1, 0, d, shape.decode_context, d)
