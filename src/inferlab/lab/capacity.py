@@ -111,14 +111,14 @@ def max_rate(sc: Scenario, rel_tol: float = 0.02, past_saturation: bool = False)
     if not tried[-1][1]:
         return MaxRate(None, sat, s, tried)
     lo, best = probe, s
-    if past_saturation:
-        while not any(r >= hi and not ok for r, ok in tried):  # until a rate fails, up to 32x saturation
-            s = simulate(sc, rate=hi)
-            tried.append((hi, meets(sc.card, s)))
-            if tried[-1][1]:
-                if hi >= 32 * sat:
-                    return MaxRate(hi, sat, s, tried)
-                lo, hi, best = hi, 2 * hi, s
+    while past_saturation:  # double the rate from saturation until the draw fails, up to 32x saturation
+        s = simulate(sc, rate=hi)
+        tried.append((hi, meets(sc.card, s)))
+        if not tried[-1][1]:
+            break
+        if hi >= 32 * sat:
+            return MaxRate(hi, sat, s, tried)
+        lo, hi, best = hi, 2 * hi, s
     while hi - lo > rel_tol * hi:
         mid = (lo + hi) / 2
         s = simulate(sc, rate=mid)
