@@ -9,7 +9,7 @@ import numpy as np
 
 from inferlab.engine.config import EngineConfig
 from inferlab.engine.sampling_params import SamplingParams
-from inferlab.engine.step_trace import read_step_trace
+from inferlab.engine.step_trace import read_step_trace, read_trace_requests
 from inferlab.lab.simulator import EngineShape, SimRequest, Simulation
 from inferlab.lab.step_cost import StepCost
 
@@ -70,3 +70,18 @@ def test_engine_and_simulator_take_the_same_steps(tmp_path):
         assert sorted(n for _, n, _ in row["p"]) == sorted(n for n in new if n > 1)
     assert all(a["t"] + a["dt"] <= b["t"] for a, b in zip(rows, rows[1:])) and all(r["dt"] > 0 for r in rows)
     assert all(r["busy"] for r in rows[:-1]) and not rows[-1]["busy"]  # stepped back to back until it ran dry
+    # and the bound each step's prefill was scheduled under (the fixed cap, wherever something decoded), as the
+    # simulator's steps record it
+    assert [r.get("cap") for r in rows] == [s.prefill_cap for s in run.steps]
+    assert {r.get("cap") for r in rows} == {None, 24}
+
+    # Each finished request's times: in order, on the steps' clock, its first token sampled in the step where the
+    # simulator's came (step k ends at k + 1 there), with the prompt and output lengths it was given.
+    done = {r["req"]: r for r in read_trace_requests(tmp_path / "steps.jsonl")}
+    assert sorted(done) == sorted(r.request_id for r in reqs)
+    for o in run.outcomes:
+        r = done[o.request_id]
+        assert r["a"] <= r["q"] <= r["s"] <= r["f"] <= r["e"]
+        assert (r["n"], r["o"]) == (o.prompt_len, o.output_len)
+        step = rows[round(o.first_token) - 1]
+        assert step["t"] <= r["f"] <= step["t"] + step["dt"]

@@ -149,7 +149,8 @@ class LLMEngine:
         token_ids, text = self.tokenize_prompt(prompt)
         n = len(token_ids)
         check_prompt_fits(n, params.max_tokens, self.max_model_len, self.max_len_reason)
-        seq = Sequence(request_id, token_ids, params, RequestMetrics(arrival_time or time.perf_counter()),
+        now = time.perf_counter()
+        seq = Sequence(request_id, token_ids, params, RequestMetrics(arrival_time or now, queued_time=now),
                        cache_salt=cache_salt, prompt_text=text)
         self._register(seq)
         self.scheduler.add(seq)
@@ -225,7 +226,7 @@ class LLMEngine:
         if batch and self.cpu_threads is not None:
             self.cpu_threads.observe(batch.num_tokens, dt)
         if shape is not None:
-            self.step_trace.record(t0, dt, shape, self.has_work())
+            self.step_trace.record(t0, dt, shape, self.has_work(), batch.prefill_cap, batch.drain)
         self.last_step_time = dt
         self.stats_counters.num_steps_total += 1
         self.stats_counters.step_time_seconds_total += dt
@@ -398,6 +399,8 @@ class LLMEngine:
             seq.metrics.finished_time = now
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
+            if self.step_trace is not None:
+                self.step_trace.record_request(seq)
             self._generators.pop(seq.request_id, None)
         self.stats_counters.generation_tokens_total += len(appended)
         first = seq.num_output_tokens == len(appended)

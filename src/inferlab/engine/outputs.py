@@ -12,6 +12,7 @@ class RequestMetrics:
     """Monotonic timestamps (time.perf_counter seconds) of one request's life in the engine."""
 
     arrival_time: float
+    queued_time: float | None = None  # when the engine took it (the server's arrival is before tokenizing it)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per output token, in order

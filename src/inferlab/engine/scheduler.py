@@ -30,6 +30,8 @@ class ScheduledBatch:
     num_decodes: int = 0  # leading sequences with exactly one new token
     num_attended: int = 0  # keys those decodes attend to, their new one included
     preempted: list[Sequence] = field(default_factory=list)
+    prefill_cap: int | None = None  # the bound on prefill tokens beside decodes it was scheduled under (None: none)
+    drain: int = 0  # the prefill budget's held drain rate then (tokens a step; 0: none held)
 
     @property
     def num_tokens(self) -> int:
@@ -67,9 +69,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
-        prefill_budget = self._prefill_cap()
-        if prefill_budget is None:
-            prefill_budget = budget
+        prefill_cap = self._prefill_cap()
+        prefill_budget = budget if prefill_cap is None else prefill_cap
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -123,6 +124,8 @@ class Scheduler:
             num_decodes=sum(1 for _, n in chosen if n == 1),
             num_attended=sum(s.num_computed_tokens + 1 for s, n in chosen if n == 1),
             preempted=preempted,
+            prefill_cap=prefill_cap,
+            drain=self.prefill_budget.drain if self.prefill_budget is not None else 0,
         )
 
     def _prefill_cap(self) -> int | None:

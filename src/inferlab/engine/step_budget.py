@@ -108,6 +108,11 @@ class PrefillBudget:
         step's weight stream had pushed out of the caches."""
         self._drain = 0
 
+    @property
+    def drain(self) -> int:
+        """The drain rate held (prompt tokens a step; 0: none), as the last tokens() call left it."""
+        return self._drain
+
     def predict(self, decodes: int, attended: int, prefill: int) -> float | None:
         coef = self.coefficients()
         return None if coef is None else float(coef @ self._features(decodes, attended, prefill))

@@ -12,6 +12,16 @@ The first line is a header (the scheduler settings and KV shape the simulator ne
   busy  whether work was left after it (so the next step started as soon as the server loop came round)
   p   [num_computed, num_new, samples] of each sequence with more than one new token (prefill chunks, verification)
   d   decoding sequences (one new token each); da: the keys they attend, sum of (num_computed + 1)
+  cap  the bound on prefill tokens beside decodes the step was scheduled under (absent: none); drain: the prefill
+       budget's held drain rate then (absent: none held; engine/step_budget.py)
+
+and, as each request finishes, a line of its times on the same clock:
+  req  its id; n: prompt tokens; o: output tokens
+  a   arrival (the server's: before it tokenized the prompt); q: taken by the engine; s: first scheduled;
+  f   first token sampled; e: finished
+A client on the same machine stamps its requests with the same clock (bench's records, from their clock origin), so
+a request's time to first token splits into the server's way in (a, q), the engine's queue and prefill (q to f),
+and the way out (f to the client's first chunk): what a simulator's step costs must explain is q to f only.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inferlab.engine.scheduler import ScheduledBatch
+from inferlab.engine.sequence import Sequence
 
 SCHEMA = "inferlab.step_trace/1"
 
@@ -63,9 +74,23 @@ class StepTrace:
         self._f = self.path.open("w", encoding="utf-8", buffering=1)
         self._f.write(json.dumps({"schema": SCHEMA, **header}) + "\n")
 
-    def record(self, t0: float, dt: float, shape: BatchShape, busy_after: bool) -> None:
-        self._f.write(json.dumps({"t": round(t0, 6), "dt": round(dt, 6), "busy": busy_after, **shape.to_json()},
-                                 separators=(",", ":")) + "\n")
+    def record(self, t0: float, dt: float, shape: BatchShape, busy_after: bool, prefill_cap: int | None = None,
+               drain: int = 0) -> None:
+        row = {"t": round(t0, 6), "dt": round(dt, 6), "busy": busy_after, **shape.to_json()}
+        if prefill_cap is not None:
+            row["cap"] = prefill_cap
+        if drain:
+            row["drain"] = drain
+        self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+    def record_request(self, seq: Sequence) -> None:
+        m = seq.metrics
+        row = {"req": seq.request_id, "n": seq.num_prompt_tokens, "o": seq.num_output_tokens}
+        for key, t in (("a", m.arrival_time), ("q", m.queued_time), ("s", m.first_scheduled_time),
+                       ("f", m.first_token_time), ("e", m.finished_time)):
+            if t is not None:
+                row[key] = round(t, 6)
+        self._f.write(json.dumps(row, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         self._f.close()
@@ -73,6 +98,16 @@ class StepTrace:
 
 def read_step_trace(path: str | Path) -> tuple[dict, list[dict]]:
     """The header and the step rows of a trace file."""
+    header, rows = _read(path)
+    return header, [r for r in rows if "req" not in r]
+
+
+def read_trace_requests(path: str | Path) -> list[dict]:
+    """The finished requests' rows of a trace file (see the module docstring), in the order they finished."""
+    return [r for r in _read(path)[1] if "req" in r]
+
+
+def _read(path: str | Path) -> tuple[dict, list[dict]]:
     p = Path(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()

@@ -139,6 +139,8 @@ class StepRecord:
     request_ids: list[str]
     num_new_tokens: list[int]
     preempted: list[str]
+    prefill_cap: int | None = None  # as the engine's step trace has them (engine/step_trace.py)
+    drain: int = 0
 
 
 @dataclass(slots=True)
@@ -361,7 +363,8 @@ class _Run:
         inst.busy += dt
         if self.sim.record_steps:
             self.steps.append(StepRecord(inst.name, self.now, self.now + dt, [s.request_id for s in batch.seqs],
-                                         list(batch.num_new_tokens), [s.request_id for s in batch.preempted]))
+                                         list(batch.num_new_tokens), [s.request_id for s in batch.preempted],
+                                         batch.prefill_cap, batch.drain))
         self.push(self.now + dt, "step_done", inst)
 
     def step_done(self, inst: Instance) -> None:
