@@ -552,3 +552,35 @@ def test_speed_band_moves_light_load_by_the_step_and_saturation_by_its_rate(setu
     assert flood["output_tokens_per_s"]["slower"] == pytest.approx(1 / (1 + SPEED_BAND) - 1, abs=0.003)
     assert flood["ttft p50"]["faster"] == pytest.approx(-SPEED_BAND, abs=0.005)
     assert flood["ttft p50"]["slower"] == pytest.approx(SPEED_BAND, abs=0.005)
+
+
+def test_noise_draws_give_each_figure_as_the_median_over_runs_with_their_own_noise(setup):
+    """With noise_draws K a point is simulated K times, run i drawing its step noise from seed NOISE_SEED + i, and
+    each figure is the median over the runs; compare() gives the runs' p10-p90 beside it."""
+    from inferlab.lab.sim_summary import summarize
+    from inferlab.lab.simulator import NOISE_SEED, Simulation
+
+    card_path, prof, _ = setup
+    card = load_card(card_path)
+    cost = replace(StepCost.load(prof), step_noise=[0.6, 0.9, 1.0, 1.1, 1.8])
+    sc = capacity.Scenario(card, cost, capacity.card_shape(card, cost), requests=60)
+    rate = 0.8 * capacity.saturation(sc)
+    reqs = card_requests(card.traffic, 60, rate=rate, arrival=card.traffic.open_loop_arrival)
+    runs = [summarize(Simulation(cost, sc.shape, sc.topology, noise_seed=NOISE_SEED + i).run(reqs),
+                      load={}, slos=card.objectives.request_slos()) for i in range(5)]
+    p50s = [r["latency"]["ttft"]["p50"] for r in runs]
+    assert len(set(p50s)) == 5  # the noise moves the figure, or this proves nothing
+
+    one, five = capacity.simulate(sc, rate=rate), capacity.simulate(replace(sc, noise_draws=5), rate=rate)
+    assert one["latency"]["ttft"]["p50"] == p50s[0] and "noise_draws" not in one
+    assert five["latency"]["ttft"]["p50"] == pytest.approx(float(np.median(p50s)))
+    assert five["latency"]["itl"]["p99"] == pytest.approx(float(np.median([r["latency"]["itl"]["p99"] for r in runs])))
+    assert five["counts"]["measured"] == 60 and isinstance(five["counts"]["measured"], int)
+    assert five["noise_draws"]["latency"]["ttft"]["p50"] == pytest.approx(p50s)
+
+    rows = {r["metric"]: r for r in compare(one, five)["metrics"]}
+    assert rows["ttft p50"]["noise_band"] == pytest.approx([np.percentile(p50s, 10), np.percentile(p50s, 90)])
+    assert "noise_band" not in rows["requests_per_s"]
+    assert "noise_band" not in {k for r in compare(five, one)["metrics"] for k in r}
+    with pytest.raises(ValueError, match="noise_draws 0"):
+        capacity.simulate(replace(sc, noise_draws=0), rate=rate)

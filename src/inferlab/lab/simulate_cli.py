@@ -86,6 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         q.add_argument("--burstiness", type=float, default=None)
         q.add_argument("--max-queue", type=int, default=None, help="admission limit (default: the profile's)")
         q.add_argument("--json", default=None, help="write the predictions here")
+        q.add_argument("--noise-draws", type=int, default=9 if name == "validate" else 1,
+                       help="runs of each point with their own draws of the profile's step noise, each figure their "
+                            "median (validate: also their p10-p90 beside what was measured; a draw of a few dozen "
+                            "requests near saturation moves by ~8%% with the noise alone)")
         if name == "validate":
             q.add_argument("--base-url", default=None, help="a running server (default: start the card's)")
             q.add_argument("--output-dir", default="simulate-validate", help="bench results go here")
@@ -319,8 +323,10 @@ def _scenario(args):
 
     card = load_card(args.card)
     cost = StepCost.load(args.profile)
+    if args.noise_draws < 1:
+        raise ValueError(f"--noise-draws {args.noise_draws}: give at least one run a point")
     return Scenario(card, cost, card_shape(card, cost, args.max_queue), requests=args.requests,
-                    arrival=args.arrival, burstiness=args.burstiness)
+                    arrival=args.arrival, burstiness=args.burstiness, noise_draws=args.noise_draws)
 
 
 def _rates(text: str | None) -> list[float] | None:
@@ -483,7 +489,7 @@ def _validate(args) -> int:
         # The load's SLO-max rate, as predict answers it: a search on a large simulated draw (on
         # examples/card-cpu.yaml a draw's TTFT p99 decides it, and the answer moves with the draw's size: 1.45 req/s
         # at 400 requests a point, 1.09 / 1.16 / 1.11 at 1,000 / 2,000 / 4,000; docs/benchmarks.md).
-        load_max = capacity.max_rate(replace(sc, requests=args.search_requests))
+        load_max = capacity.max_rate(replace(sc, requests=args.search_requests, noise_draws=1))
         # What is checked against the server is the SLO-max of the very draw it is sent: one seed's lengths and
         # arrival gaps, the gaps scaled by each rate (common random numbers). A draw of a few hundred requests meets
         # a p99 objective well above or below the load's rate by luck (at 1.15x the load's SLO-max, 8 of 20 such
@@ -767,15 +773,21 @@ def max_rate_verdict(bracket: tuple[float, float, float], within: float, points:
 
 def compare(measured: dict, predicted: dict) -> dict:
     """Predicted against measured for every metric, with the relative error (predicted / measured - 1)."""
+    import numpy as np
+
     rows = []
+    draws = (predicted.get("noise_draws") or {}).get("latency", {})
     for m, p in VALIDATED:
-        rows.append((f"{m} {p}", measured["latency"][m].get(p), predicted["latency"][m].get(p)))
+        runs = [v for v in draws.get(m, {}).get(p, []) if v is not None]
+        band = [float(np.percentile(runs, 10)), float(np.percentile(runs, 90))] if len(runs) > 1 else None
+        rows.append((f"{m} {p}", measured["latency"][m].get(p), predicted["latency"][m].get(p), band))
     for key in ("requests_per_s", "output_tokens_per_s"):
-        rows.append((key, measured["throughput"][key], predicted["throughput"][key]))
+        rows.append((key, measured["throughput"][key], predicted["throughput"][key], None))
     g_m, g_p = measured.get("goodput") or {}, predicted.get("goodput") or {}
-    rows.append(("goodput share", g_m.get("share"), g_p.get("share")))
+    rows.append(("goodput share", g_m.get("share"), g_p.get("share"), None))
     return {"metrics": [{"metric": k, "measured": a, "predicted": b,
-                         "rel_error": None if a in (None, 0) or b is None else b / a - 1} for k, a, b in rows]}
+                         "rel_error": None if a in (None, 0) or b is None else b / a - 1,
+                         **({"noise_band": band} if band else {})} for k, a, b, band in rows]}
 
 
 def print_validation(points: list[dict]) -> None:
@@ -784,16 +796,18 @@ def print_validation(points: list[dict]) -> None:
     t = Table(title="predicted vs measured")
     t.add_column("rate")
     t.add_column("metric")
-    for col in ("measured", "predicted", "error"):
+    for col in ("measured", "predicted", "error", "noise p10-p90"):
         t.add_column(col, justify="right")
     for p in points:
         for r in p["metrics"]:
             fmt = (lambda v: format_ms(v)) if r["metric"].split()[0] in ("ttft", "itl", "tpot", "e2e") else \
                 (lambda v: "–" if v is None else f"{v:.3g}")
             err = "–" if r["rel_error"] is None or math.isnan(r["rel_error"]) else f"{r['rel_error']:+.0%}"
-            t.add_row(f"{p['rate']:g}", r["metric"], fmt(r["measured"]), fmt(r["predicted"]), err)
+            band = r.get("noise_band")
+            t.add_row(f"{p['rate']:g}", r["metric"], fmt(r["measured"]), fmt(r["predicted"]), err,
+                      "" if band is None else f"{fmt(band[0])} - {fmt(band[1])}")
         if "meets_measured" in p:
             yes = {True: "yes", False: "no"}
-            t.add_row(f"{p['rate']:g}", "meets the card", yes[p["meets_measured"]], yes[p["meets_predicted"]], "",
+            t.add_row(f"{p['rate']:g}", "meets the card", yes[p["meets_measured"]], yes[p["meets_predicted"]], "", "",
                       end_section=True)
     _console().print(t)

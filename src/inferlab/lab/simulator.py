@@ -221,11 +221,12 @@ def prime_budget(budget: PrefillBudget, cost: StepCost, shape: EngineShape) -> N
 
 class Simulation:
     def __init__(self, cost: StepCost, shape: EngineShape | None = None, topology: Topology | None = None,
-                 record_steps: bool = False):
+                 record_steps: bool = False, noise_seed: int = NOISE_SEED):
         self.cost, self.shape, self.topo = cost, shape or EngineShape(), topology or Topology()
         self.shape.validate()
         self.topo.validate()
         self.record_steps = record_steps
+        self.noise_seed = noise_seed
 
     def run(self, requests: list[SimRequest], users: int | None = None) -> SimRun:
         """Open loop (users None): each request arrives at its `arrival`. Closed loop: `users` users each send the
@@ -260,7 +261,7 @@ class _Run:
         # A profile's step noise (measured / predicted quantiles): one draw per step, from a fixed stream, so a run
         # is repeatable and two loads see the same draws (common random numbers).
         self.noise = np.asarray(sim.cost.step_noise, dtype=np.float64) if sim.cost.step_noise else None
-        self.noise_rng = np.random.default_rng(NOISE_SEED)
+        self.noise_rng = np.random.default_rng(sim.noise_seed)
 
     # -- the event loop --------------------------------------------------------------------------------------
     def push(self, t: float, kind: str, *data) -> None:
