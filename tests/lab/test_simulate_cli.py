@@ -584,3 +584,48 @@ def test_noise_draws_give_each_figure_as_the_median_over_runs_with_their_own_noi
     assert "noise_band" not in {k for r in compare(five, one)["metrics"] for k in r}
     with pytest.raises(ValueError, match="noise_draws 0"):
         capacity.simulate(replace(sc, noise_draws=0), rate=rate)
+
+
+def test_the_request_overhead_from_the_step_trace_is_what_lies_outside_the_engine(setup, tmp_path):
+    """With the server's step trace, the overhead is each request's TTFT less the engine's time to its first token:
+    a profile that underprices prefill by 30% leaves the simulation-paired fit holding the difference, while the
+    trace gives the 5 ms the requests spent outside the engine (2 to the server, 1 to the engine, 2 back)."""
+    import json
+
+    from inferlab.bench.records import RequestRecord
+    from inferlab.lab.simulate_cli import fit_request_overhead
+    from inferlab.lab.simulator import Simulation, Topology
+
+    card, profile, _ = setup
+    c, cost = load_card(card), StepCost.load(profile)
+    truth = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.0,
+                                "per_prefill_token": cost.per_prefill_token * 1.3})
+    run = Simulation(truth, shape_from(cost.engine), Topology()).run(
+        card_requests(c.traffic, 30, rate=math.inf, arrival="poisson"), users=1)
+    origin, records, rows = 50.0, [], []
+    for o in run.outcomes:
+        engine = o.first_token - o.arrival
+        sent = o.arrival + 0.005 * (len(records))  # each request 5 ms later than the simulation's (its overhead)
+        a = origin + sent + 0.002
+        f = a + 0.001 + engine
+        records.append(RequestRecord(index=int(o.request_id[1:]), warmup=o.warmup, scheduled=sent, sent=sent,
+                                     chunk_times=[f + 0.002 - origin], chunk_tokens=[1], end=f + 1 - origin,
+                                     input_len=o.prompt_len, prompt_tokens=o.prompt_len))
+        rows.append({"req": o.request_id, "n": o.prompt_len, "o": 1, "a": a, "q": a + 0.001, "s": a + 0.001,
+                     "f": f, "e": f + 1})
+    (tmp_path / "records.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
+    (tmp_path / "results.json").write_text(json.dumps({"runs": [{"clock_origin": origin}]}))
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text(json.dumps({"schema": "inferlab.step_trace/1"}) + "\n" + "".join(json.dumps(r) + "\n"
+                                                                                       for r in rows))
+    measured = {"latency": {"ttft": {"p50": 0.0}}, "path": str(tmp_path / "results.json")}
+
+    def fitted(tr):
+        fit = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.0})
+        fit_request_overhead(fit, c, None, 30, measured, tr)
+        return fit.request_overhead, fit.notes[-1]
+
+    overhead, note = fitted(trace)
+    assert overhead == pytest.approx(0.005, abs=1e-9) and "from the step trace" in note
+    overhead, note = fitted(None)
+    assert overhead > 0.005 + 0.005 and "measured - simulated" in note

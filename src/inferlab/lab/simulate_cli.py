@@ -217,26 +217,40 @@ def _calibrate_served(args, command: str):
                           f"after the card's load, {len(probed)} in all (depth_probe.py)")
     if alone:
         _, card_k, measured = alone[0]
-        fit_request_overhead(cost, card_k, None, args.alone, measured)
+        fit_request_overhead(cost, card_k, None, args.alone, measured, trace)
     elif points:
         rate, card_k, measured = min(points, key=lambda p: p[0])
-        fit_request_overhead(cost, card_k, rate, args.requests, measured)
+        fit_request_overhead(cost, card_k, rate, args.requests, measured, trace)
     return cost
 
 
-def fit_request_overhead(cost, card, rate: float | None, requests: int, measured: dict) -> None:
+def fit_request_overhead(cost, card, rate: float | None, requests: int, measured: dict,
+                         trace: Path | None = None) -> None:
     """The request overhead (HTTP, tokenization, the first write: outside the steps) from one calibration run of
     `card` (as run: its seed), `requests` requests at `rate`, or one at a time (rate None: a closed loop of one
-    user). The simulation without it is bench's draw request by request, so each measured request's TTFT pairs
-    with its simulated one; the overhead is the median of the differences. The difference of the two TTFT p50s,
-    used before (and still when the run's records are not at hand), mixes requests that queued differently: three
-    calibrations of one server within an hour gave 0.6, 6.7 and 19.8 ms, and the paired median 2.3, 2.5 and 4.1
-    (docs/benchmarks.md). Under a queue, TTFT amplifies every error of the step model (seen: +7 ms at 1 req/s,
-    +173 ms at 3 req/s), even at a low rate: two calibrations on the Xeon found 22.7 and 18.6 ms at 1 req/s, 4.9
-    ms over requests served alone, and the short card's light-load TTFT p50 came out +19% with the first, -8% with
-    the last (docs/benchmarks.md). Requests served alone queue behind nothing."""
+    user).
+
+    With the server's step trace (its request lines, lab/ttft_split.py), each request's time outside the engine is
+    measured: its TTFT less the engine's time from taking it to its first token. Else the simulation without an
+    overhead is bench's draw request by request, and the overhead is the median of measured - simulated TTFT; that
+    pairs each request with itself but charges the overhead with the step model's error for the request's prefill:
+    two calibrations on the Xeon found 4.9 and 1.7 ms over requests served alone where their traces measured 3.8
+    and 3.4 (docs/benchmarks.md). Under a queue, TTFT amplifies every error of the step model (seen: +7 ms at 1 req/s,
+    +173 ms at 3 req/s), so requests served alone are best: they queue behind nothing."""
     from statistics import median
 
+    where = "served one at a time" if rate is None else f"at {rate:g} req/s"
+    if trace is not None and measured.get("path"):
+        from inferlab.engine.step_trace import read_trace_requests
+        from inferlab.lab.ttft_split import split_run
+
+        parts = split_run(measured["path"], read_trace_requests(trace))
+        if parts:
+            cost.request_overhead = median(p.outside for p in parts.values())
+            cost.notes.append(f"request_overhead: median over {len(parts)} requests {where} of TTFT less the "
+                              f"engine's time to their first token, from the step trace "
+                              f"({cost.request_overhead * 1e3:.1f} ms)")
+            return
     from inferlab.bench import metrics
     from inferlab.bench.records import read_records
     from inferlab.lab.calibrate import shape_from
@@ -260,7 +274,6 @@ def fit_request_overhead(cost, card, rate: float | None, requests: int, measured
             diffs = []
             break
         diffs.append(t - simulated_ttft)
-    where = "served one at a time" if rate is None else f"at {rate:g} req/s"
     if diffs:
         cost.request_overhead = max(0.0, median(diffs))
         cost.notes.append(f"request_overhead: median over {len(diffs)} requests of measured - simulated TTFT "
@@ -472,9 +485,12 @@ VALIDATED = (("ttft", "p50"), ("ttft", "p99"), ("itl", "p50"), ("itl", "p99"), (
 
 
 def _validate(args) -> int:
+    import numpy as np
+
     from inferlab.lab import capacity
-    from inferlab.engine.step_trace import read_step_trace
+    from inferlab.engine.step_trace import read_step_trace, read_trace_requests
     from inferlab.lab.calibrate import calibrate_served, shape_from, step_time_ratio
+    from inferlab.lab.ttft_split import split_run
 
     sc = _scenario(args)
     rates = _rates(args.rates) or []
@@ -521,6 +537,7 @@ def _validate(args) -> int:
                          burstiness=args.burstiness,
                          server_config=None if trace is None else {**sc.card.server.config, "step_trace": str(trace)})
     steps = read_step_trace(trace)[1] if trace is not None else None
+    served = read_trace_requests(trace) if trace is not None else None
     for i, ((rate, card_k, measured), lp) in enumerate(zip(points, loads)):
         cost, shape = sc.cost, sc.shape
         if args.leave_one_out:
@@ -550,11 +567,18 @@ def _validate(args) -> int:
                                                   requests=lp.requests), rate=rate)
                 point["at_measured_speed"] = {"ratio": measured_speed(r), **compare(measured, again),
                                               "meets_predicted": capacity.meets(sc.card, again)}
+        if served and measured.get("path"):
+            parts = list(split_run(measured["path"], served).values())
+            if parts:
+                point["ttft_split"] = {k: float(np.median([getattr(p, k) for p in parts]))
+                                       for k in ("http", "taken", "engine", "out", "outside")}
+                point["ttft_split"].update(requests=len(parts), request_overhead=cost.request_overhead)
         out["points"].append(point)
     print_validation(out["points"])
     print_speed_bands(out["points"])
     if trace is not None:
         print_step_drift(out["points"])
+        print_ttft_split(out["points"])
     if bracket is not None:
         out["max_rate"] = {**max_rate_verdict(bracket, args.max_rate_within, out["points"]),
                            "draw": {"seed": draw_seed, "requests": args.bracket_requests},
@@ -700,6 +724,18 @@ def print_speed_bands(points: list[dict]) -> None:
         band = p["speed_band"]
         cells = ", ".join(f"{m} {_pct(band[m]['faster'])} / {_pct(band[m]['slower'])}" for m in SPEED_METRICS)
         print(f"  {p['rate']:g} req/s: {cells}")
+
+
+def print_ttft_split(points: list[dict]) -> None:
+    """One line a point: where the server's requests spent their time to first token (lab/ttft_split.py), the
+    part outside the engine beside the profile's request overhead, which stands for it in the simulation."""
+    for p in points:
+        if not (s := p.get("ttft_split")):
+            continue
+        print(f"{p['rate']:g} req/s: time to first token, median of {s['requests']} requests: {format_ms(s['http'])} "
+              f"to the server, {format_ms(s['taken'])} to the engine, {format_ms(s['engine'])} in it, "
+              f"{format_ms(s['out'])} back; outside the engine {format_ms(s['outside'])} (the profile's request "
+              f"overhead: {format_ms(s['request_overhead'])})")
 
 
 def _pct(v: float | None) -> str:
