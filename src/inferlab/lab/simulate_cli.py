@@ -727,15 +727,17 @@ def print_speed_bands(points: list[dict]) -> None:
 
 
 def print_ttft_split(points: list[dict]) -> None:
-    """One line a point: where the server's requests spent their time to first token (lab/ttft_split.py), the
-    part outside the engine beside the profile's request overhead, which stands for it in the simulation."""
+    """One line a point: where the server's requests spent their time to first token (lab/ttft_split.py). The way
+    in and out of the server and the tokenizing are what the profile's request overhead stands for; under load a
+    request also waits for the step in progress before the engine takes it, which the simulation charges to the
+    scheduler."""
     for p in points:
         if not (s := p.get("ttft_split")):
             continue
-        print(f"{p['rate']:g} req/s: time to first token, median of {s['requests']} requests: {format_ms(s['http'])} "
-              f"to the server, {format_ms(s['taken'])} to the engine, {format_ms(s['engine'])} in it, "
-              f"{format_ms(s['out'])} back; outside the engine {format_ms(s['outside'])} (the profile's request "
-              f"overhead: {format_ms(s['request_overhead'])})")
+        print(f"{p['rate']:g} req/s: time to first token, medians of {s['requests']} requests: "
+              f"{format_ms(s['http'])} to the server, {format_ms(s['taken'])} to the engine (tokenizing, and the "
+              f"step in progress if any), {format_ms(s['engine'])} in it, {format_ms(s['out'])} back (the "
+              f"profile's request overhead: {format_ms(s['request_overhead'])})")
 
 
 def _pct(v: float | None) -> str:
