@@ -587,9 +587,10 @@ def test_noise_draws_give_each_figure_as_the_median_over_runs_with_their_own_noi
 
 
 def test_the_request_overhead_from_the_step_trace_is_what_lies_outside_the_engine(setup, tmp_path):
-    """With the server's step trace, the overhead is each request's TTFT less the engine's time to its first token:
-    a profile that underprices prefill by 30% leaves the simulation-paired fit holding the difference, while the
-    trace gives the 5 ms the requests spent outside the engine (2 to the server, 1 to the engine, 2 back)."""
+    """With the server's step trace, the overhead is the way in, each request's start to the engine taking it (2 ms
+    to the server, 1 to the engine), and the way out is kept as delivery quantiles (2 ms here, and 6 ms for the
+    requests of another run passed as `others`): a profile that underprices prefill by 30% leaves the
+    simulation-paired fit (no trace) holding the difference in its overhead."""
     import json
 
     from inferlab.bench.records import RequestRecord
@@ -620,12 +621,22 @@ def test_the_request_overhead_from_the_step_trace_is_what_lies_outside_the_engin
                                                                                        for r in rows))
     measured = {"latency": {"ttft": {"p50": 0.0}}, "path": str(tmp_path / "results.json")}
 
-    def fitted(tr):
+    def fitted(tr, others=()):
         fit = StepCost.from_dict({**cost.to_dict(), "request_overhead": 0.0})
-        fit_request_overhead(fit, c, None, 30, measured, tr)
-        return fit.request_overhead, fit.notes[-1]
+        fit_request_overhead(fit, c, None, 30, measured, tr, others)
+        return fit
 
-    overhead, note = fitted(trace)
-    assert overhead == pytest.approx(0.005, abs=1e-9) and "from the step trace" in note
-    overhead, note = fitted(None)
-    assert overhead > 0.005 + 0.005 and "measured - simulated" in note
+    fit = fitted(trace)
+    # (records keep times to 0.1 µs)
+    assert fit.request_overhead == pytest.approx(0.003, abs=1e-6) and "from the step trace" in fit.notes[-1]
+    assert fit.delivery == pytest.approx([0.002] * 20, abs=1e-6)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "records.jsonl").write_text("".join(replace(r, chunk_times=[r.chunk_times[0] + 0.004]).to_json() + "\n"
+                                                 for r in records))
+    (other / "results.json").write_text((tmp_path / "results.json").read_text())
+    fit = fitted(trace, [{"path": str(other / "results.json")}])
+    assert fit.request_overhead == pytest.approx(0.003, abs=1e-6)  # the way in: of the run named, only
+    assert sorted(set(np.round(fit.delivery, 5))) == [0.002, 0.006]  # the way out: of both runs
+    fit = fitted(None)
+    assert fit.request_overhead > 0.005 + 0.005 and "measured - simulated" in fit.notes[-1] and not fit.delivery

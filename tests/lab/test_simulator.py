@@ -3,6 +3,8 @@ it. Model-free and fast."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 
 import numpy as np
@@ -81,15 +83,40 @@ COST = StepCost(intercept=0.01, per_prefill_token=2e-4, per_decode_seq=1e-3, per
                                                           link_bandwidth=1e8, link_latency=1e-3), None),
     (EngineShape(max_num_seqs=4), Topology(), 6),  # closed loop
 ])
-def test_littles_law_holds_on_every_run(shape, topology, users):
+@pytest.mark.parametrize("delivery", [[], [0.0, 0.004, 0.03]])
+def test_littles_law_holds_on_every_run(shape, topology, users, delivery):
     """L (time-averaged requests in the system, read from the instances' queues at every event) = lambda W
-    (arrivals per second x mean time in system, from each request's own timestamps)."""
+    (arrivals per second x mean time in system, from each request's own timestamps), with tokens read when sampled
+    and with a delivery delay after it."""
     reqs = poisson_requests(300, 20.0, seed=1, prompt=(4, 120), output=(1, 30), groups=3, prefix=24)
-    run = Simulation(COST, shape, topology).run(reqs, users=users)
+    run = Simulation(replace(COST, delivery=delivery), shape, topology).run(reqs, users=users)
     assert len(run.outcomes) == 300 and all(o.departure is not None for o in run.outcomes)
     lhs, rhs = _little(run)
     assert lhs == pytest.approx(rhs, rel=1e-9)
     assert lhs > 0.5  # a loaded system, not a trivial one
+
+
+def test_each_token_is_read_a_delivery_draw_after_its_step_in_stream_order():
+    """With a profile's delivery quantiles, a token is read max(its step's end + a draw, the previous token's
+    read): a constant delay moves every token, TTFT and E2E by exactly that and leaves the inter-token gaps as they
+    were; delays that vary spread the gaps while their sum, first token to last, moves by the last token's delay
+    less the first's."""
+    reqs = poisson_requests(200, 8.0, seed=5, prompt=(4, 60), output=(2, 20))
+    shape = EngineShape(max_num_seqs=4)
+    base = Simulation(COST, shape, record_steps=True).run(reqs)
+    fixed = Simulation(replace(COST, delivery=[0.007]), shape, record_steps=True).run(reqs)
+    assert [(s.start, s.end) for s in fixed.steps] == [(s.start, s.end) for s in base.steps]  # steps unmoved
+    for a, b in zip(base.outcomes, fixed.outcomes):
+        assert np.allclose(np.array(b.token_times) - a.token_times, 0.007)
+        assert (b.first_token - a.first_token, b.finish - a.finish) == pytest.approx((0.007, 0.007))
+    varied = Simulation(replace(COST, delivery=[0.0, 0.03]), shape).run(reqs)
+    gaps_b = np.concatenate([np.diff(o.token_times) for o in base.outcomes])
+    gaps_v = np.concatenate([np.diff(o.token_times) for o in varied.outcomes])
+    assert (gaps_v >= 0).all() and np.percentile(gaps_v, 99) > np.percentile(gaps_b, 99) + 0.01
+    ends = {o.request_id: o.token_times for o in base.outcomes}
+    for o in varied.outcomes:  # read no sooner than sampled, and no later than the longest delay after it
+        d = np.array(o.token_times) - ends[o.request_id]
+        assert (d >= -1e-12).all() and (d <= 0.03 + 1e-12).all()
 
 
 def test_overload_shows_in_rejections_and_preemptions():

@@ -215,23 +215,31 @@ def _calibrate_served(args, command: str):
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
                           f"after the card's load, {len(probed)} in all (depth_probe.py)")
+    others = [m for _, _, m in points]
     if alone:
         _, card_k, measured = alone[0]
-        fit_request_overhead(cost, card_k, None, args.alone, measured, trace)
+        fit_request_overhead(cost, card_k, None, args.alone, measured, trace, others)
     elif points:
         rate, card_k, measured = min(points, key=lambda p: p[0])
-        fit_request_overhead(cost, card_k, rate, args.requests, measured, trace)
+        fit_request_overhead(cost, card_k, rate, args.requests, measured, trace, others)
     return cost
 
 
+DELIVERY_QUANTILES = 20  # of the tokens' delivery times a served profile keeps
+
+
 def fit_request_overhead(cost, card, rate: float | None, requests: int, measured: dict,
-                         trace: Path | None = None) -> None:
+                         trace: Path | None = None, others: list[dict] = ()) -> None:
     """The request overhead (HTTP, tokenization, the first write: outside the steps) from one calibration run of
     `card` (as run: its seed), `requests` requests at `rate`, or one at a time (rate None: a closed loop of one
     user).
 
-    With the server's step trace (its request lines, lab/ttft_split.py), each request's time outside the engine is
-    measured: its TTFT less the engine's time from taking it to its first token. Else the simulation without an
+    With the server's step trace (its request lines, lab/ttft_split.py), the way in is measured: the median over
+    the run's requests of the time from their start to the engine taking them. And so is the way out, over these
+    requests and those of the `others` runs (the calibration's rates): the profile keeps DELIVERY_QUANTILES
+    quantiles of the time from a first token's sampling to the client reading it, which the simulator adds to
+    every token. Its tail is the client's inter-token tail that steps do not make: on the short card the server's
+    steps gave ITL p99 25.6-40.6 ms, the client read 30.0-47.1 (docs/benchmarks.md). Else the simulation without an
     overhead is bench's draw request by request, and the overhead is the median of measured - simulated TTFT; that
     pairs each request with itself but charges the overhead with the step model's error for the request's prefill:
     two calibrations on the Xeon found 4.9 and 1.7 ms over requests served alone where their traces measured 3.8
@@ -239,17 +247,28 @@ def fit_request_overhead(cost, card, rate: float | None, requests: int, measured
     +173 ms at 3 req/s), so requests served alone are best: they queue behind nothing."""
     from statistics import median
 
+    import numpy as np
+
     where = "served one at a time" if rate is None else f"at {rate:g} req/s"
     if trace is not None and measured.get("path"):
         from inferlab.engine.step_trace import read_trace_requests
         from inferlab.lab.ttft_split import split_run
 
-        parts = split_run(measured["path"], read_trace_requests(trace))
+        served = read_trace_requests(trace)
+        parts = split_run(measured["path"], served)
         if parts:
-            cost.request_overhead = median(p.outside for p in parts.values())
-            cost.notes.append(f"request_overhead: median over {len(parts)} requests {where} of TTFT less the "
-                              f"engine's time to their first token, from the step trace "
-                              f"({cost.request_overhead * 1e3:.1f} ms)")
+            cost.request_overhead = median(p.http + p.taken for p in parts.values())
+            outs = [p.out for p in parts.values()]
+            for m in others:
+                if m.get("path"):
+                    outs += [p.out for p in split_run(m["path"], served).values()]
+            cost.delivery = [float(v) for v in np.quantile(
+                outs, (np.arange(DELIVERY_QUANTILES) + 0.5) / DELIVERY_QUANTILES)]
+            cost.notes.append(f"request_overhead: median over {len(parts)} requests {where} of their start to the "
+                              f"engine taking them, from the step trace ({cost.request_overhead * 1e3:.1f} ms); "
+                              f"delivery: {DELIVERY_QUANTILES} quantiles of {len(outs)} first tokens' sampling to "
+                              f"the client reading them (median {median(outs) * 1e3:.1f} ms, max "
+                              f"{max(outs) * 1e3:.1f})")
             return
     from inferlab.bench import metrics
     from inferlab.bench.records import read_records
@@ -543,7 +562,8 @@ def _validate(args) -> int:
         if args.leave_one_out:
             cost = calibrate_served([trace], sc.cost.hardware,
                                     windows=[m["window"] for j, (_, _, m) in enumerate(points) if j != i])
-            cost.request_overhead = sc.cost.request_overhead  # the profile's: a served trace cannot see it
+            # the profile's way in and out (a trace's requests are not those of one rate)
+            cost.request_overhead, cost.delivery = sc.cost.request_overhead, sc.cost.delivery
             # and the scheduler settings the server ran with (its trace's header), not the profile's
             shape = replace(shape_from(cost.engine), max_queue=sc.shape.max_queue)
         # The same card, seed and load point: the simulated requests are bench's draw (sim_workload).
@@ -573,6 +593,8 @@ def _validate(args) -> int:
                 point["ttft_split"] = {k: float(np.median([getattr(p, k) for p in parts]))
                                        for k in ("http", "taken", "engine", "out", "outside")}
                 point["ttft_split"].update(requests=len(parts), request_overhead=cost.request_overhead)
+                if cost.delivery:
+                    point["ttft_split"]["delivery_p50"] = float(np.median(cost.delivery))
         out["points"].append(point)
     print_validation(out["points"])
     print_speed_bands(out["points"])
@@ -737,7 +759,8 @@ def print_ttft_split(points: list[dict]) -> None:
         print(f"{p['rate']:g} req/s: time to first token, medians of {s['requests']} requests: "
               f"{format_ms(s['http'])} to the server, {format_ms(s['taken'])} to the engine (tokenizing, and the "
               f"step in progress if any), {format_ms(s['engine'])} in it, {format_ms(s['out'])} back (the "
-              f"profile's request overhead: {format_ms(s['request_overhead'])})")
+              f"profile's request overhead: {format_ms(s['request_overhead'])}"
+              f"{'' if 'delivery_p50' not in s else ', delivery p50 ' + format_ms(s['delivery_p50'])})")
 
 
 def _pct(v: float | None) -> str:

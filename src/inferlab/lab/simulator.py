@@ -11,6 +11,9 @@ What is modelled beside the engine:
   - the server's admission limit (`max_queue`, server/async_engine.py): a request that finds `max_queue` requests
     waiting is refused at once (HTTP 429), counted as rejected;
   - a per-request host overhead (HTTP, tokenization) that delays a request's entry into the scheduler;
+  - each token's delivery to its client (the server's streaming path, the client's loop), when the profile has
+    its quantiles: a token is read a draw after its step ends, never before the token before it, and a request
+    leaves the system when its last token is read (so Little's law still holds);
   - several instances behind a router (round-robin, least-loaded, prefix-affinity), each on its own hardware;
   - disaggregated prefill/decode: P prefill instances compute the prompt and the first token, the prompt's KV
     crosses a link (latency + bytes per token x tokens / bandwidth, one transfer at a time per prefill instance),
@@ -21,7 +24,8 @@ What is modelled beside the engine:
     (Scheduler.admit_injected), so decode recomputes nothing (here: up to block_size - 1 prompt tokens); the
     prefill instance holds a request's blocks until its KV is copied out; and a fixed transfer buffer bounds the
     KV in flight, so a full decode side stalls prefill (here the link queues without bound).
-Tokens are appended at the end of the step that sampled them, as the engine stamps them; times are seconds.
+Tokens are appended at the end of the step that sampled them (plus their delivery), as the engine stamps them; times
+are seconds.
 """
 
 from __future__ import annotations
@@ -262,6 +266,10 @@ class _Run:
         # is repeatable and two loads see the same draws (common random numbers).
         self.noise = np.asarray(sim.cost.step_noise, dtype=np.float64) if sim.cost.step_noise else None
         self.noise_rng = np.random.default_rng(sim.noise_seed)
+        # A profile's token delivery (quantiles): each token reaches its client a draw later, never before the one
+        # before it; a stream of its own, so the steps draw the same noise with it or without.
+        self.delivery = np.asarray(sim.cost.delivery, dtype=np.float64) if sim.cost.delivery else None
+        self.delivery_rng = np.random.default_rng((sim.noise_seed, 1))
 
     # -- the event loop --------------------------------------------------------------------------------------
     def push(self, t: float, kind: str, *data) -> None:
@@ -274,7 +282,8 @@ class _Run:
         else:
             for _ in range(min(self.users, len(self.requests))):
                 self.send_next(0.0)
-        handlers = {"arrive": self.arrive, "enter": self.enter, "step_done": self.step_done, "kv_done": self.kv_done}
+        handlers = {"arrive": self.arrive, "enter": self.enter, "step_done": self.step_done, "kv_done": self.kv_done,
+                    "delivered": self.delivered}
         while self.events:
             t, _, kind, data = heapq.heappop(self.events)
             self.area += self.in_system() * (t - self.now)
@@ -376,9 +385,13 @@ class _Run:
         for seq, tokens in sampled.items():
             seq.token_ids.extend(tokens)
             r, o, role = self.by_seq[id(seq)]
-            o.token_times.append(self.now)
+            read = self.now
+            if self.delivery is not None:
+                read = max(read + self.delivery[self.delivery_rng.integers(len(self.delivery))],
+                           o.token_times[-1] if o.token_times else read)
+            o.token_times.append(read)
             if o.first_token is None:
-                o.first_token = self.now
+                o.first_token = read
                 o.num_cached_tokens = seq.num_cached_tokens
             if seq.num_output_tokens >= seq.params.max_tokens:
                 o.num_preemptions += seq.num_preemptions
@@ -386,9 +399,17 @@ class _Run:
                 del self.by_seq[id(seq)]
                 if role == "prefill" and r.output_len > 1:
                     self.transfer(inst, r, o)
+                elif read > self.now:  # on its way to the client: in the system until read
+                    self.outside += 1
+                    self.push(read, "delivered", o)
                 else:
                     o.finish = self.now
                     self.depart(o)
+
+    def delivered(self, o: RequestOutcome) -> None:
+        self.outside -= 1
+        o.finish = self.now
+        self.depart(o)
 
     # -- disaggregation --------------------------------------------------------------------------------------
     def transfer(self, src: Instance, r: SimRequest, o: RequestOutcome) -> None:

@@ -133,6 +133,10 @@ class StepCost:
     # Quantiles of measured / predicted step time over the calibration's steps: the simulator multiplies each step's
     # cost by a draw from them (empty: every step costs exactly its prediction).
     step_noise: list[float] = field(default_factory=list)
+    # Quantiles of a token's delivery, from the engine sampling it to the client reading it (s): the simulator delays
+    # each token by a draw from them, in stream order (empty: a token is read when sampled, and request_overhead
+    # holds the median way out too). With them, request_overhead is the way in only.
+    delivery: list[float] = field(default_factory=list)
     source: str = ""  # how it was calibrated: "engine profile" | "black-box bench" | "synthetic" | "scaled ..."
     command: str = ""  # the command that made it
     # The scheduler settings the calibrated server ran with; the simulator uses them unless told otherwise.
@@ -212,6 +216,9 @@ class StepCost:
         noise = kw.get("step_noise", [])
         if not (isinstance(noise, list) and all(isinstance(v, (int, float)) and v > 0 for v in noise)):
             raise ValueError("step-cost profile: step_noise must be a list of positive ratios")
+        delivery = kw.get("delivery", [])
+        if not (isinstance(delivery, list) and all(isinstance(v, (int, float)) and v >= 0 for v in delivery)):
+            raise ValueError("step-cost profile: delivery must be a list of non-negative seconds")
         return cls(**kw)
 
     def save(self, path: str | Path) -> Path:
