@@ -230,9 +230,9 @@ DELIVERY_QUANTILES = 20  # of the tokens' delivery times a served profile keeps
 
 def fit_request_overhead(cost, card, rate: float | None, requests: int, measured: dict,
                          trace: Path | None = None, others: list[dict] = ()) -> None:
-    """The request overhead (HTTP, tokenization, the first write: outside the steps) from one calibration run of
-    `card` (as run: its seed), `requests` requests at `rate`, or one at a time (rate None: a closed loop of one
-    user).
+    """The request overhead (the way in: HTTP, tokenization; without a trace, the way out too) from one
+    calibration run of `card` (as run: its seed), `requests` requests at `rate`, or one at a time (rate None: a
+    closed loop of one user).
 
     With the server's step trace (its request lines, lab/ttft_split.py), the way in is measured: the median over
     the run's requests of the time from their start to the engine taking them. And so is the way out, over these
