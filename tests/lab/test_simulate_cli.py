@@ -586,7 +586,7 @@ def test_noise_draws_give_each_figure_as_the_median_over_runs_with_their_own_noi
         capacity.simulate(replace(sc, noise_draws=0), rate=rate)
 
 
-def test_the_request_overhead_from_the_step_trace_is_what_lies_outside_the_engine(setup, tmp_path):
+def test_the_step_trace_gives_the_way_in_as_the_overhead_and_the_way_out_as_delivery(setup, tmp_path):
     """With the server's step trace, the overhead is the way in, each request's start to the engine taking it (2 ms
     to the server, 1 to the engine), and the way out is kept as delivery quantiles (2 ms here, and 6 ms for the
     requests of another run passed as `others`): a profile that underprices prefill by 30% leaves the
