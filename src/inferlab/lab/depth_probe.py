@@ -15,11 +15,21 @@ decode reads, which a card of short prompts leaves to chance: its decodes attend
 examples/card-cpu.yaml's load with one probe decode per prompt priced a key at 0 or at 1.1 µs by the model's
 form, where the probe's decodes at 512-2,048 keys took 1.8-2.6 µs a key more than the load's at ~128
 (docs/benchmarks.md, "Decodes beside a prefill chunk").
+
+Then each depth again in pairs: the deep prompt streams, and as its first token arrives a short prompt (BESIDE
+tokens) follows, so the short one's chunks share steps with a decode at that depth and the two then decode
+together. Without them the only deep decodes were alone and the load's decodes beside a chunk were 100-300 keys
+deep: the fit traded the key's price against the other terms and set it at 1.1-1.4 µs, where decode-only steps of
+each batch size rose by 1.5-2.1 µs a key, and examples/card-cpu-long.yaml's steps (decodes ~650 keys deep) ran
+1.02-1.10x the profile against 0.97-1.02x on the card it was fitted to. With the pairs the fit gives 1.71 µs, the
+same whether keys beside a chunk have their own price or not (1.73), and the long card's steps run at the short
+card's ratio at every depth (docs/benchmarks.md, "Keys beside a chunk").
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 
@@ -27,6 +37,10 @@ import numpy as np
 
 SHALLOWEST = 512
 ASKED = 16  # tokens each prompt asks for: the first, then 15 decodes at its depth (~0.3 s a prompt)
+BESIDE = 128  # the short prompt of a pair
+# The deep prompt of a pair decodes through the short one's prefill (capped beside a decode: a few to ~30 tokens a
+# step on the 2-core machine) and its ASKED tokens: 64 leaves it decoding alone again at the end.
+PAIR_ASKED = 64
 
 
 def depth_ladder(deepest: int, context: int) -> list[int]:
@@ -43,10 +57,11 @@ def depth_ladder(deepest: int, context: int) -> list[int]:
 
 
 def probe_depths(base_url: str, deepest: int, repeats: int = 2, api_key: str | None = None, seed: int = 0,
-                 log=print) -> list[int]:
+                 pairs: bool = True, log=print) -> list[int]:
     """Serve the ladder `repeats` times, one request at a time, with new random prompts each time (no
-    prefix-cache hits). Returns the prompt lengths served. The server must be idle meanwhile: another request's
-    decodes would share the probe's steps."""
+    prefix-cache hits), then (`pairs`) `repeats` times each depth with a short prompt beside it (probe_pair).
+    Returns the prompt lengths served alone. The server must be idle meanwhile: another request's decodes would
+    share the probe's steps."""
     model, context = _model(base_url, api_key)
     lengths = depth_ladder(deepest, context)
     if not lengths:
@@ -65,7 +80,45 @@ def probe_depths(base_url: str, deepest: int, repeats: int = 2, api_key: str | N
                                  f"{usage['prompt_tokens']}: it does not take token-id prompts as sent")
             served.append(n)
         log(f"depth probe: served prompts of {', '.join(map(str, lengths))} tokens")
+    for _ in range(repeats if pairs else 0):
+        for n in lengths:
+            probe_pair(base_url, model, rng.integers(100, 20_000, min(n, context - PAIR_ASKED)).tolist(),
+                       rng.integers(100, 20_000, BESIDE).tolist(), api_key)
+        log(f"depth probe: served each beside a prompt of {BESIDE} tokens")
     return served
+
+
+def probe_pair(base_url: str, model: str, deep: list[int], short: list[int], api_key: str | None = None) -> None:
+    """Stream `deep`; when its first token arrives (its prefill done, its decodes begun), send `short`. Both run
+    to their asked length."""
+    body = {"model": model, "prompt": deep, "max_tokens": PAIR_ASKED, "ignore_eos": True, "temperature": 0.0,
+            "stream": True}
+    req = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers=_headers(api_key), method="POST")
+    failed: list[Exception] = []
+
+    def send_short():
+        try:
+            _post(base_url + "/v1/completions", {"model": model, "prompt": short, "max_tokens": ASKED,
+                                                  "ignore_eos": True, "temperature": 0.0}, api_key)
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread below
+            failed.append(e)
+
+    second = threading.Thread(target=send_short, daemon=True)
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if second.ident is None and line.startswith(b"data: "):
+                    second.start()
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"the depth probe's streamed request of {len(deep)} tokens failed: HTTP {e.code} "
+                         f"{e.read().decode(errors='replace')[:300]}") from None
+    if second.ident is not None:
+        second.join()
+    if failed:
+        raise failed[0]
+    if second.ident is None:
+        raise ValueError(f"the depth probe's streamed request of {len(deep)} tokens returned no event")
 
 
 def _headers(api_key: str | None) -> dict:
