@@ -186,7 +186,7 @@ def _calibrate_served(args, command: str):
     trace, then the request overhead to the lowest rate's TTFT (fit_request_overhead)."""
     from inferlab.lab.calibrate import calibrate_served
     from inferlab.lab.card import load_card, start_server
-    from inferlab.lab.depth_probe import probe_depths
+    from inferlab.lab.depth_probe import BESIDE, probe_depths
 
     card = load_card(args.card)
     if card.server.kind != "inferlab":
@@ -214,7 +214,8 @@ def _calibrate_served(args, command: str):
     cost = calibrate_served([trace], _this_machine(), command)
     if probed:
         cost.notes.append(f"depth probe: prompts of {', '.join(map(str, sorted(set(probed))))} tokens served alone "
-                          f"after the card's load, {len(probed)} in all (depth_probe.py)")
+                          f"after the card's load, {len(probed)} in all, then each beside a prompt of {BESIDE} "
+                          f"tokens (depth_probe.py)")
     others = [m for _, _, m in points]
     if alone:
         _, card_k, measured = alone[0]
