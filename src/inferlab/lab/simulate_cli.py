@@ -59,9 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sv.add_argument("--output-dir", default="simulate-calibrate", help="bench results and the step trace go here")
     sv.add_argument("-o", "--output", default="step-cost.json")
     sv.add_argument("--depth-probe", type=int, default=4096, metavar="TOKENS",
-                    help="then serve prompts of 512, 1024, ... up to this many tokens, one at a time, so that the fit "
-                         "sees prefill attention deeper than the card's prompts and the profile predicts longer "
-                         "ones (~30 s on a 2-core CPU at 4096); 0: the card's load only")
+                    help="then serve prompts of 512, 1024, ... up to this many tokens, one at a time, then each "
+                         "beside a short prompt, so that the fit sees prefill attention and decodes deeper than the "
+                         "card's and the profile predicts longer prompts (~50 s on a 2-core CPU at 4096); 0: the "
+                         "card's load only")
     sv.add_argument("--alone", type=int, default=20, metavar="N",
                     help="then N of the card's requests one at a time: what their TTFTs exceed their simulated "
                          "ones by is the request overhead (HTTP, tokenization, the first write); 0: take it from the "
