@@ -15,21 +15,16 @@ not its step costs.
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
-from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
 from inferlab.engine.step_budget import PrefillBudget
 from inferlab.engine.step_trace import BatchShape, read_step_trace
-from inferlab.lab import capacity
-from inferlab.lab.card import load_card
-from inferlab.lab.sim_workload import card_requests
-from inferlab.lab.simulator import Simulation, Topology
-from inferlab.lab.step_cost import StepCost, shape_features
+from inferlab.lab.step_cost import shape_features
+
+from validated_points import parse_validation  # benchmarks/, beside this script
 
 GAP = 0.00035  # s between a step's end and the next one's start, for a step before an idle spell (traces: ~0.35 ms)
 
@@ -59,27 +54,20 @@ def report(name: str, coefs: list[np.ndarray], slacks: dict[int, list[float]]) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("folder", type=Path)
-    ap.add_argument("--profile", required=True)
-    ap.add_argument("--card", required=True)
-    ap.add_argument("--validation", required=True, help="validate's --json file (its points' rates and seeds)")
-    args = ap.parse_args()
-    cost, card = StepCost.load(args.profile), load_card(args.card)
-    header, rows = read_step_trace(args.folder / "steps.jsonl")
+    v = parse_validation(__doc__)
+    cost = v.cost
+    header, rows = read_step_trace(v.folder / "steps.jsonl")
     ratio = header.get("decode_stall_ratio")
     if ratio is None:
         raise SystemExit("the server ran without a decode-stall bound: no prefill budget to compare")
     noise = np.array(cost.step_noise or [1.0])
-    for p in json.loads(Path(args.validation).read_text())["points"]:
-        results = json.loads(Path(p["results"]).read_text())["runs"][0]
+    for p in v.points:
+        results = json.loads(p.results.read_text())["runs"][0]
         start, end = results["window"]["start"], results["window"]["end"]
         lo, hi = results["clock_origin"] + start, results["clock_origin"] + end
         window = [r for r in rows if lo <= r["t"] <= hi]
-        print(f"{p['rate']:g} req/s")
+        print(f"{p.rate:g} req/s")
         print("  served:    " + caps([(r["d"], sum(n for _, n, _ in r["p"]), r.get("cap")) for r in window]))
-        card_k = replace(card, traffic=replace(card.traffic, seed=p["seed"]))
-        reqs = card_requests(card_k.traffic, p["requests"], rate=p["rate"])
 
         # the simulation's own budget, read as it decides
         coefs, slacks = [], defaultdict(list)
@@ -94,7 +82,7 @@ def main() -> None:
 
         PrefillBudget.tokens = logged
         try:
-            run = Simulation(cost, capacity.card_shape(card, cost), Topology(), record_steps=True).run(reqs)
+            run = v.simulate(p, record_steps=True)
         finally:
             PrefillBudget.tokens = tokens
         print("  simulated: " + caps([(sum(n == 1 for n in s.num_new_tokens), sum(n for n in s.num_new_tokens if n > 1),

@@ -12,48 +12,31 @@ the engine part is the scheduler's or the step model's; outside it, a request co
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import replace
-from pathlib import Path
-
 import numpy as np
 
 from inferlab.engine.step_trace import read_trace_requests
-from inferlab.lab import capacity
-from inferlab.lab.card import load_card
-from inferlab.lab.sim_workload import card_requests
-from inferlab.lab.simulator import Simulation, Topology
-from inferlab.lab.step_cost import StepCost
 from inferlab.lab.ttft_split import split_run
+
+from validated_points import parse_validation  # benchmarks/, beside this script
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("folder", type=Path)
-    ap.add_argument("--profile", required=True)
-    ap.add_argument("--card", required=True)
-    ap.add_argument("--validation", required=True, help="validate's --json file (its points' rates and seeds)")
-    args = ap.parse_args()
-    cost, card = StepCost.load(args.profile), load_card(args.card)
-    served = read_trace_requests(args.folder / "steps.jsonl")
-    points = json.loads(Path(args.validation).read_text())["points"]
+    v = parse_validation(__doc__)
+    cost = v.cost
+    served = read_trace_requests(v.folder / "steps.jsonl")
     print(f"request_overhead (the simulation's time outside the engine): {cost.request_overhead * 1e3:.1f} ms")
     print("rate      n | measured p50 ms: http  taken  engine   out  | simulated taken+engine p50 | "
           "measured - simulated, paired p10/p50/p90")
-    for p in points:
-        rate = p["rate"]
-        split = split_run(args.folder / f"rate-{rate:g}" / "results.json", served)
-        card_k = replace(card, traffic=replace(card.traffic, seed=p["seed"]))
-        run = Simulation(cost, capacity.card_shape(card, cost), Topology()).run(
-            card_requests(card_k.traffic, p["requests"], rate=rate))
+    for p in v.points:
+        split = split_run(p.results, served)
+        run = v.simulate(p)
         sim = {int(o.request_id[1:]): o.first_token - o.arrival - cost.request_overhead
                for o in run.outcomes if not o.warmup and o.first_token is not None}
         both = sorted(set(split) & set(sim))
         m = np.array([[split[i].http, split[i].taken, split[i].engine, split[i].out] for i in both]) * 1e3
         s = np.array([sim[i] for i in both]) * 1e3
         d = m[:, 1] + m[:, 2] - s
-        print(f"{rate:<7.4g} {len(both):3d} | {np.median(m[:, 0]):21.1f} {np.median(m[:, 1]):6.1f} "
+        print(f"{p.rate:<7.4g} {len(both):3d} | {np.median(m[:, 0]):21.1f} {np.median(m[:, 1]):6.1f} "
               f"{np.median(m[:, 2]):7.1f} {np.median(m[:, 3]):5.1f} | {np.median(s):26.1f} | "
               f"{np.percentile(d, 10):.1f} / {np.median(d):.1f} / {np.percentile(d, 90):.1f}")
 

@@ -13,11 +13,12 @@ finds the engine idle); the rest is the scheduler and the step costs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from inferlab.bench import metrics
-from inferlab.bench.records import RequestRecord
+from inferlab.bench.records import RequestRecord, read_records
 
 MATCH_SLACK = 1e-3  # s: the server's arrival stamp may precede bench's send stamp by this much (two processes)
 
@@ -58,10 +59,6 @@ def split_ttft(records: list[RequestRecord], clock_origin: float, served: list[d
 
 def split_run(results_path: str | Path, served: list[dict]) -> dict[int, TTFTSplit]:
     """split_ttft for one bench run: its results.json (the clock origin) and the records.jsonl beside it."""
-    import json
-
-    from inferlab.bench.records import read_records
-
     p = Path(results_path)
     origin = json.loads(p.read_text(encoding="utf-8"))["runs"][0]["clock_origin"]
     return split_ttft(list(read_records(p.with_name("records.jsonl"))), origin, served)
