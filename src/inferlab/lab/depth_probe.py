@@ -22,8 +22,8 @@ together. Without them the only deep decodes were alone and the load's decodes b
 deep: the fit traded the key's price against the other terms and set it at 1.1-1.4 µs, where decode-only steps of
 each batch size rose by 1.5-2.1 µs a key, and examples/card-cpu-long.yaml's steps (decodes ~650 keys deep) ran
 1.02-1.10x the profile against 0.97-1.02x on the card it was fitted to. With the pairs the fit gives 1.71 µs, the
-same whether keys beside a chunk have their own price or not (1.73), and the long card's steps run at the short
-card's ratio at every depth (docs/benchmarks.md, "Keys beside a chunk").
+same whether keys beside a chunk have their own price or not (1.73), and the long card's steps run within 1-4% of
+the short card's ratio at every depth (docs/benchmarks.md, "Keys beside a chunk").
 """
 
 from __future__ import annotations
