@@ -57,9 +57,9 @@ def depth_ladder(deepest: int, context: int) -> list[int]:
 
 
 def probe_depths(base_url: str, deepest: int, repeats: int = 2, api_key: str | None = None, seed: int = 0,
-                 pairs: bool = True, log=print) -> list[int]:
+                 log=print) -> list[int]:
     """Serve the ladder `repeats` times, one request at a time, with new random prompts each time (no
-    prefix-cache hits), then (`pairs`) `repeats` times each depth with a short prompt beside it (probe_pair).
+    prefix-cache hits), then `repeats` times each depth with a short prompt beside it (probe_pair).
     Returns the prompt lengths served alone. The server must be idle meanwhile: another request's decodes would
     share the probe's steps."""
     model, context = _model(base_url, api_key)
@@ -80,7 +80,7 @@ def probe_depths(base_url: str, deepest: int, repeats: int = 2, api_key: str | N
                                  f"{usage['prompt_tokens']}: it does not take token-id prompts as sent")
             served.append(n)
         log(f"depth probe: served prompts of {', '.join(map(str, lengths))} tokens")
-    for _ in range(repeats if pairs else 0):
+    for _ in range(repeats):
         for n in lengths:
             probe_pair(base_url, model, rng.integers(100, 20_000, min(n, context - PAIR_ASKED)).tolist(),
                        rng.integers(100, 20_000, BESIDE).tolist(), api_key)
