@@ -210,3 +210,52 @@ def test_steps_without_decodes_run_on_the_plan_as_rows(monkeypatch):
     prompts = [ids[:30], ids[5:60], longer[::2]]
     together = run(fresh, prompts, sp)
     assert [o["tokens"] for o in together] == [run(fresh, [p], sp)[0]["tokens"] for p in prompts]
+
+
+def test_onednn_steps_on_padded_rows_compute_the_same_bits(monkeypatch):
+    """oneDNN builds a GEMM for each row count it meets, so steps of more than ONEDNN_EXACT_ROWS rows multiply rows
+    padded to a multiple of ONEDNN_ROW_QUANTUM (layers/packed_linear.py). The padding changes no bit: a 70-token
+    prompt's logprobs, its generated tokens and every block of the KV pool come out the same with rows exact, on
+    the plan (rows padded once for the step, the padding writing no K/V) and on the layers (each GEMM padded)."""
+    import numpy as np
+
+    import inferlab.engine.model_runner as model_runner
+    import inferlab.layers.packed_linear as packed_linear
+
+    quantum = packed_linear.ONEDNN_ROW_QUANTUM
+    assert packed_linear.ONEDNN_EXACT_ROWS < 70 and 70 % quantum
+    kernels = cpu_kernels()
+    real, widths = kernels.decode_layers, []
+
+    def spy(*a):
+        x, residual = real(*a)
+        widths.append((x.shape[0], x.untyped_storage().nbytes() // (x.shape[1] * x.element_size())))
+        return x, residual
+
+    monkeypatch.setattr(kernels, "decode_layers", spy)
+
+    def run(q: int, max_keys: int) -> tuple[list, list, list[np.ndarray]]:
+        monkeypatch.setattr(packed_linear, "ONEDNN_ROW_QUANTUM", q)
+        monkeypatch.setattr(model_runner, "ROW_ATTENTION_MAX_KEYS", max_keys)
+        with onednn_from_rows(2):
+            llm = LLM(dtype="bfloat16", kv_cache_memory=16 * 2**20, enable_prefix_caching=False)
+        model = llm.engine.runner.model.model
+        model.decode_plan.onednn_row_quantum = q
+        eng = llm.engine
+        eng.add_request("r", {"prompt_token_ids": llm.tokenizer.encode(TEXT, add_special_tokens=False)[:70]},
+                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0))
+        outs = [o for _ in range(4) for o in eng.step()]
+        assert outs[-1].finished
+        pool = [t.view(torch.int16).clone().numpy() for layer in model.layers
+                for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)]
+        return [e.logprob for e in outs[0].prompt_logprobs[1:]], [t for o in outs for t in o.new_token_ids], pool
+
+    exact = run(1, model_runner.ROW_ATTENTION_MAX_KEYS)
+    assert widths[0] == (70, 70)
+    widths.clear()
+    padded = run(quantum, model_runner.ROW_ATTENTION_MAX_KEYS)
+    assert widths[0] == (70, 80)  # the plan ran the prompt's step on 80 rows, and handed back its 70
+    layers_exact, layers_padded = run(1, 0), run(quantum, 0)
+    for a, b in ((exact, padded), (layers_exact, layers_padded)):
+        assert a[0] == b[0] and a[1] == b[1]
+        assert all((x == y).all() for x, y in zip(a[2], b[2]))

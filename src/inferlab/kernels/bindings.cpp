@@ -68,6 +68,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scale", &DecodePlan::scale)
       .def_readwrite("heads", &DecodePlan::heads)
       .def_readwrite("kv_heads", &DecodePlan::kv_heads)
-      .def_readwrite("gelu", &DecodePlan::gelu);
+      .def_readwrite("gelu", &DecodePlan::gelu)
+      .def_readwrite("onednn_row_quantum", &DecodePlan::onednn_row_quantum)
+      .def_readwrite("onednn_exact_rows", &DecodePlan::onednn_exact_rows);
   m.def("decode_layers", &decode_layers, "all decoder layers of a decode-only step (CPU)", nogil);
 }

@@ -39,6 +39,13 @@ torch::Tensor activation(const torch::Tensor& gate_up, bool gelu) {
   return at::gelu(gate_up.narrow(1, 0, I), "tanh") * gate_up.narrow(1, I, I);
 }
 
+// t with `pad` more rows (along dim 0) of `value`.
+torch::Tensor pad_rows(const torch::Tensor& t, int64_t pad, double value = 0) {
+  std::vector<int64_t> p(2 * t.dim(), 0);
+  p.back() = pad;
+  return at::constant_pad_nd(t, p, value);
+}
+
 }  // namespace
 
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w) {
@@ -57,6 +64,14 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(const DecodePlan& plan, t
                                                        torch::Tensor sin, torch::Tensor cos_local,
                                                        torch::Tensor sin_local, torch::Tensor slots,
                                                        torch::Tensor block_tables, torch::Tensor context_lens) {
+  const int64_t rows = x.size(0), q = plan.onednn_row_quantum;
+  const int64_t pad = rows > plan.onednn_exact_rows && !plan.layers.empty() &&
+                      plan.layers.front().qkv.takes_onednn(rows) ? (q - rows % q) % q : 0;
+  if (pad) {  // rows of zeros: no K/V written for them (slots stay one a real row), one key attended (block 0's)
+    x = pad_rows(x, pad), cos = pad_rows(cos, pad), sin = pad_rows(sin, pad);
+    cos_local = pad_rows(cos_local, pad), sin_local = pad_rows(sin_local, pad);
+    block_tables = pad_rows(block_tables, pad), context_lens = pad_rows(context_lens, pad, 1);
+  }
   const int64_t T = x.size(0), H = plan.heads, KVH = plan.kv_heads;
   const double eps = plan.eps;
   c10::optional<torch::Tensor> residual;
@@ -81,5 +96,5 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layers(const DecodePlan& plan, t
       x = l.down(activation(l.gate_up(h), plan.gelu));
     }
   }
-  return {x, *residual};
+  return {x.narrow(0, 0, rows), residual->narrow(0, 0, rows)};
 }

@@ -35,9 +35,14 @@ struct PlanLinear {
     if (kind == ProjKind::W8A8) return w8a8_linear(x, a, b, out_features);
     if (kind != ProjKind::PACKED && T <= kernel_max_tokens)
       return kind == ProjKind::INT8 ? int8_linear(x, a, b) : int4_linear(x, a, b, c, group);
-    if (onednn.defined() && T >= onednn_min_tokens) return onednn_linear(x, onednn);
+    if (takes_onednn(T)) return onednn_linear(x, onednn);
     TORCH_CHECK(packed.defined(), "a step of ", T, " tokens is past this projection's kernel");
     return packed_linear(x, packed, out_features, false);
+  }
+
+  bool takes_onednn(int64_t T) const {
+    return kind != ProjKind::W8A8 && !(kind != ProjKind::PACKED && T <= kernel_max_tokens) && onednn.defined() &&
+           T >= onednn_min_tokens;
   }
 };
 
@@ -54,11 +59,15 @@ struct PlanLayer {
 };
 
 // gelu: the MLP's activation is GELU (tanh approximation, Gemma 3) instead of SiLU.
+// onednn_row_quantum, onednn_exact_rows: a step of more than onednn_exact_rows rows whose projections take oneDNN
+// runs on rows padded to a multiple of onednn_row_quantum, the padding rows writing no K/V and attending to one key
+// (layers/packed_linear.py, ONEDNN_ROW_QUANTUM, says why).
 struct DecodePlan {
   std::vector<PlanLayer> layers;
   double eps = 1e-5, scale = 1.0;
   int64_t heads = 0, kv_heads = 0;
   bool gelu = false;
+  int64_t onednn_row_quantum = 1, onednn_exact_rows = 0;
 };
 
 // cos_local, sin_local: the second rotary table, for layers marked local (pass cos, sin again where none is).

@@ -39,6 +39,18 @@ from inferlab.kernels import gemv_kernels
 GEMV_MAX_ROWS = 2
 # With AMX, steps of at least this many rows use oneDNN's GEMM instead of inferlab's kernel (measured: see above).
 AMX_MIN_ROWS = 4
+# oneDNN's GEMM takes steps of more than ONEDNN_EXACT_ROWS rows padded with zeros to a multiple of
+# ONEDNN_ROW_QUANTUM. It builds (JITs) a GEMM for each row count it meets and caches 1,024 of them: on the 2-core
+# Xeon with AMX a new row count cost SmolLM2's four layer shapes 7.4 ms (a 64-256-token prefill step x1.19) and
+# 0.6 MB of memory each, so a server whose prompts vary in length rebuilt GEMMs on most prefills and grew (1.2 GB
+# after every row count from 16 to 528; padded, 0.17 GB). Padded, a 512-token step budget brings at most 28 row
+# counts past 64. Measured (`python
+# benchmarks/onednn_rows.py`): prefills of 96 new lengths 56.5 -> 49.4 ms a step; of 288 lengths drawn from 64-512
+# 89.9 -> 79.8 ms, the process 2,100 -> 1,632 MB; the padding's own cost, the same lengths again, 47.4 -> 48.6 ms.
+# Up to 64 rows (decode steps: max_num_seqs counts, which stay cached) rows are exact: padded, 4-15 decodes ran
+# 3-10% slower.
+ONEDNN_ROW_QUANTUM = 16
+ONEDNN_EXACT_ROWS = 64
 
 
 @functools.cache
@@ -98,7 +110,9 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
 def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [T, in] bf16 @ the weight `pack_weight` (or `pack_onednn`) packed -> [T, out]."""
     if packed.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        pad = -x.shape[0] % ONEDNN_ROW_QUANTUM if x.shape[0] > ONEDNN_EXACT_ROWS else 0
+        y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, pad)) if pad else x, packed, None, "none", [], "")
+        return y[:x.shape[0]] if pad else y
     return gemv_kernels().packed_linear(x, packed, out_features)
 
 

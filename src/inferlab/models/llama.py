@@ -28,7 +28,7 @@ from torch import nn
 from inferlab.kernels import cpu_kernels, kernels_for, kernels_for_pool
 from inferlab.layers.attention import AttentionMetadata, PagedAttention
 from inferlab.layers.norm import RMSNorm
-from inferlab.layers.packed_linear import KernelLinear, PackedLinear
+from inferlab.layers.packed_linear import ONEDNN_EXACT_ROWS, ONEDNN_ROW_QUANTUM, KernelLinear, PackedLinear
 from inferlab.layers.rotary import RotaryEmbedding, apply_rotary
 from inferlab.models.config import ModelConfig
 
@@ -179,6 +179,7 @@ class LlamaModel(nn.Module):
         plan.scale = first.self_attn.attn.scale
         plan.heads, plan.kv_heads = first.self_attn.num_heads, first.self_attn.num_kv_heads
         plan.gelu = first.mlp.gelu
+        plan.onednn_row_quantum, plan.onednn_exact_rows = ONEDNN_ROW_QUANTUM, ONEDNN_EXACT_ROWS
         self.decode_plan, self.decode_plan_max_tokens = plan, max_tokens
         return True
 
