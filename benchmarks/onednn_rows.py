@@ -63,7 +63,8 @@ def gemm_case(quantum: int) -> dict:
     for m in range(16, 529):
         layer(m)
     reach = {m if m <= pl.ONEDNN_EXACT_ROWS else -(-m // quantum) * quantum for m in rows}
-    return {"rows": rows, "counts_reaching_onednn": len(reach), "first_ms": [1e3 * v for v in first], "again_ms": [1e3 * v for v in again],
+    return {"rows": rows, "counts_reaching_onednn": len(reach), "first_ms": [1e3 * v for v in first],
+            "again_ms": [1e3 * v for v in again],
             "head_first_ms": [1e3 * v for v in head_first], "head_again_ms": [1e3 * v for v in head_again],
             "sweep_s": time.perf_counter() - t0, "sweep_rss_mb": rss_mb() - r0}
 
@@ -132,6 +133,9 @@ def main() -> None:
     if not onednn_min_rows():
         print("oneDNN's GEMM does not run on this machine (no AMX; INFERLAB_ONEDNN_MIN_ROWS unset): nothing to measure")
         return
+    from inferlab.bench.machine import MachineSampler
+    machine = MachineSampler()  # the children are reaped, so their CPU counts as this benchmark's
+    machine.start()
     paths = {"exact rows": 1, f"padded to {ONEDNN_ROW_QUANTUM}": ONEDNN_ROW_QUANTUM}
     runs: dict[str, list[dict]] = {p: [] for p in paths}
     for r in range(args.rounds):
@@ -142,7 +146,9 @@ def main() -> None:
                 runs[p].append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True
                                                          ).stdout.strip().splitlines()[-1]))
                 print(f"round {r + 1} {case} {p}: done", file=sys.stderr)
-    print(f"{args.rounds} rounds, each path in a fresh process; figures: the median over rounds")
+    share = machine.stop()["foreign_cpu_share"]
+    print(f"{args.rounds} rounds, each path in a fresh process; figures: the median over rounds; other processes' "
+          f"CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
     for p in paths:
         g = [x["gemm"] for x in runs[p] if "gemm" in x]
         e = [x["engine"] for x in runs[p] if "engine" in x]
@@ -155,7 +161,8 @@ def main() -> None:
               f"(first - next: {np.median(first - again):.2f} ms)")
         print(f"  gemm, LM head at 5/9/13 rows: first {np.round(np.median([x['head_first_ms'] for x in g], 0), 2)} "
               f"ms, next {np.round(np.median([x['head_again_ms'] for x in g], 0), 2)} ms")
-        print(f"  gemm, every row count 16-528 once: {med('sweep_s'):.2f} s, resident memory +{med('sweep_rss_mb'):.0f} MB")
+        print(f"  gemm, every row count 16-528 once: {med('sweep_s'):.2f} s, "
+              f"resident memory +{med('sweep_rss_mb'):.0f} MB")
         by_row = " ".join(f"{m}:{a:.2f}" for m, a in zip(g[0]["rows"], again))
         print(f"  gemm, cached, per row count (ms): {by_row}")
         dec = {b: np.median([x["decode_ms"][b] for x in e]) for b in e[0]["decode_ms"]}

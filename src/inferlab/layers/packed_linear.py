@@ -40,15 +40,14 @@ GEMV_MAX_ROWS = 2
 # With AMX, steps of at least this many rows use oneDNN's GEMM instead of inferlab's kernel (measured: see above).
 AMX_MIN_ROWS = 4
 # oneDNN's GEMM takes steps of more than ONEDNN_EXACT_ROWS rows padded with zeros to a multiple of
-# ONEDNN_ROW_QUANTUM. It builds (JITs) a GEMM for each row count it meets and caches 1,024 of them: on the 2-core
-# Xeon with AMX a new row count cost SmolLM2's four layer shapes 7.4 ms (a 64-256-token prefill step x1.19) and
+# ONEDNN_ROW_QUANTUM. It builds (JITs) a GEMM for each row count it meets and caches 1,024 (its default): on the
+# 2-core Xeon with AMX a new row count cost SmolLM2's four layer shapes 7.4 ms (a 64-256-token prefill step x1.19) and
 # 0.6 MB of memory each, so a server whose prompts vary in length rebuilt GEMMs on most prefills and grew (1.2 GB
 # after every row count from 16 to 528; padded, 0.17 GB). Padded, a 512-token step budget brings at most 28 row
-# counts past 64. Measured (`python
-# benchmarks/onednn_rows.py`): prefills of 96 new lengths 56.5 -> 49.4 ms a step; of 288 lengths drawn from 64-512
-# 89.9 -> 79.8 ms, the process 2,100 -> 1,632 MB; the padding's own cost, the same lengths again, 47.4 -> 48.6 ms.
-# Up to 64 rows (decode steps: max_num_seqs counts, which stay cached) rows are exact: padded, 4-15 decodes ran
-# 3-10% slower.
+# counts past 64. `python benchmarks/onednn_rows.py`: prefills of 96 new lengths 57.5 -> 50.2 ms a step; of 288
+# lengths drawn from 64-512 93.6 -> 80.7 ms, the process 2,098 -> 1,637 MB; the padding's own cost, the same lengths
+# again, 48.3 -> 50.4 ms. Up to 64 rows (decode steps: max_num_seqs counts, which stay cached) rows are exact:
+# padded, 4-15 decodes ran 3-10% slower.
 ONEDNN_ROW_QUANTUM = 16
 ONEDNN_EXACT_ROWS = 64
 
