@@ -152,7 +152,7 @@ def main() -> None:
     for p in paths:
         g = [x["gemm"] for x in runs[p] if "gemm" in x]
         e = [x["engine"] for x in runs[p] if "engine" in x]
-        med = lambda key, sub=None: float(np.median([x[key] if sub is None else x[key][sub] for x in g]))  # noqa: E731
+        med = lambda key: float(np.median([x[key] for x in g]))  # noqa: E731
         first = np.median([x["first_ms"] for x in g], axis=0)
         again = np.median([x["again_ms"] for x in g], axis=0)
         print(f"\n{p}")

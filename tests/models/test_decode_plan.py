@@ -212,11 +212,13 @@ def test_steps_without_decodes_run_on_the_plan_as_rows(monkeypatch):
     assert [o["tokens"] for o in together] == [run(fresh, [p], sp)[0]["tokens"] for p in prompts]
 
 
-def test_onednn_steps_on_padded_rows_compute_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_onednn_steps_on_padded_rows_compute_the_same_bits(kv_cache_dtype, monkeypatch):
     """oneDNN builds a GEMM for each row count it meets, so steps of more than ONEDNN_EXACT_ROWS rows multiply rows
     padded to a multiple of ONEDNN_ROW_QUANTUM (layers/packed_linear.py). The padding changes no bit: a 70-token
-    prompt's logprobs, its generated tokens and every block of the KV pool come out the same with rows exact, on
-    the plan (rows padded once for the step, the padding writing no K/V) and on the layers (each GEMM padded)."""
+    prompt's logprobs, its generated tokens and every block of the KV pool (bf16 or int8) come out the same with rows
+    exact, on the plan (rows padded once for the step, the padding writing no K/V) and on the layers (each GEMM
+    padded)."""
     import numpy as np
 
     import inferlab.engine.model_runner as model_runner
@@ -238,7 +240,8 @@ def test_onednn_steps_on_padded_rows_compute_the_same_bits(monkeypatch):
         monkeypatch.setattr(packed_linear, "ONEDNN_ROW_QUANTUM", q)
         monkeypatch.setattr(model_runner, "ROW_ATTENTION_MAX_KEYS", max_keys)
         with onednn_from_rows(2):
-            llm = LLM(dtype="bfloat16", kv_cache_memory=16 * 2**20, enable_prefix_caching=False)
+            llm = LLM(dtype="bfloat16", kv_cache_memory=16 * 2**20, enable_prefix_caching=False,
+                      kv_cache_dtype=kv_cache_dtype)
         model = llm.engine.runner.model.model
         model.decode_plan.onednn_row_quantum = q
         eng = llm.engine
@@ -246,7 +249,7 @@ def test_onednn_steps_on_padded_rows_compute_the_same_bits(monkeypatch):
                         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=0))
         outs = [o for _ in range(4) for o in eng.step()]
         assert outs[-1].finished
-        pool = [t.view(torch.int16).clone().numpy() for layer in model.layers
+        pool = [t.view(torch.uint8).clone().numpy() for layer in model.layers
                 for t in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache)]
         return [e.logprob for e in outs[0].prompt_logprobs[1:]], [t for o in outs for t in o.new_token_ids], pool
 
