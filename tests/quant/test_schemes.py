@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inferlab.kernels import gemv_kernels
 from inferlab.quant import Int4Linear, Int8Linear
 from inferlab.quant.int4 import pack_int4, quantize_int4, unpack_int4
 from inferlab.quant.int8 import quantize_int8
@@ -97,11 +98,13 @@ def test_forward_equals_dequantized_matmul(dtype, tokens, packed):
         # The kernels see bf16 activations and return bf16 (about 3 significant digits): compare against the
         # output's scale; a wrong nibble or scale would be off by a whole quantization step (>> 2%).
         err = (y.double() - ref).abs().max() / ref.abs().max()
-        # fp32 with no kernel at all is fp32 arithmetic on the same values; the int8 kernel rounds fp32 activations
-        # to 15 bits per token (gemv.cpp): each off by up to half of 1/16383 of the row's largest, ~1e-4 of the
-        # output's scale here.
+        # fp32 with no kernel at all is fp32 arithmetic on the same values; inferlab's int8 kernel rounds fp32
+        # activations to 15 bits per token (gemv.cpp): each off by up to half of 1/16383 of the row's largest, ~1e-4
+        # of the output's scale here. Where that kernel is not vectorised, torch's int8 kernel stands in
+        # (quant/int8.py), on bf16 activations.
         exact = dtype == torch.float32 and not layer.kernel_available() and not (packed and tokens > 4)
-        int8_kernel = dtype == torch.float32 and layer.scheme == "int8" and not (packed and tokens > 4)
+        int8_kernel = (dtype == torch.float32 and layer.scheme == "int8" and not (packed and tokens > 4)
+                       and gemv_kernels() is not None)
         assert err < (1e-5 if exact else 5e-4 if int8_kernel else 0.02), (layer, err)
 
 
