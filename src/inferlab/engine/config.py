@@ -68,7 +68,8 @@ class EngineConfig:
         "layers of the draft (alone: the target's own first layers)"))
     pack_weights: bool = field(default=True, metadata=_flag(
         "CPU bf16: keep a packed bf16 copy of each weight (dequantized for int8/int4) for steps of many tokens "
-        "(faster, more memory)"))
+        "(faster, more memory); CPU fp32 where inferlab's kernels are not vectorised (no AVX-512 BF16): oneDNN's "
+        "packed fp32 layout"))
     num_threads: int | None = field(default=None, metadata=_flag("torch intra-op threads (default: torch's)"))
     step_trace: str | None = field(default=None, metadata=_flag(
         "write one JSON line per engine step (its batch, start and duration) to this file, for `inferlab simulate "

@@ -127,7 +127,7 @@ class LLMEngine:
         self.handing_off: list[Sequence] = []
         # Which GEMM multiplies the packed copies shapes every figure (layers/packed_linear.py), so it is said.
         amx_rows = onednn_min_rows() if self.runner.packed_weight_bytes else None
-        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed bf16%s), "
+        log.info("loaded %s (%s, %s) in %.1fs; weights %.1f MiB (+%.1f MiB packed%s), "
                  "KV pool %d blocks x %d tokens = %.1f MiB in %s (%s); quantization: %s", self.model_path.name,
                  self.device, self.dtype, loaded.load_seconds, self.weight_bytes / 2**20,
                  self.runner.packed_weight_bytes / 2**20,

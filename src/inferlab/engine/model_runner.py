@@ -55,6 +55,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         # Bytes the packed copies of bf16 CPU weights add, net of the plain ones they replace (layers/packed_linear.py).
         self.packed_weight_bytes = pack_linears(model) if pack_weights else 0
+        model.decide_row_padding()
         place_streamed_weights(model)
         self.kv_cache = allocate_kv_cache(model.model.layers, num_blocks, block_size, kv_dtype, device)
         # Small decode steps in one C++ call where every layer has the kernels for it (models/llama.py).

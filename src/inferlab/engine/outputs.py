@@ -87,7 +87,7 @@ class EngineStats:
     num_free_kv_blocks: int = 0
     kv_cache_bytes: int = 0
     weight_bytes: int = 0
-    packed_weight_bytes: int = 0  # what packed bf16 copies add, net of plain weights dropped (layers/packed_linear.py)
+    packed_weight_bytes: int = 0  # what packed copies add, net of plain weights dropped (layers/packed_linear.py)
     num_preemptions_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0

@@ -69,9 +69,31 @@ def onednn_min_rows() -> int | None:
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and (
-        gemv_kernels() is not None
-        or (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")))
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return onednn_fp32_packing()
+    return dtype == torch.bfloat16 and (gemv_kernels() is not None or onednn_bf16_available())
+
+
+@functools.cache
+def onednn_fp32_packing() -> bool:
+    """Whether fp32 layers take oneDNN's pre-packed GEMM: where inferlab's kernels are not built vectorised (a CPU
+    without AVX-512 BF16, such as an AVX2-only EPYC, where the engine's default dtype is fp32). There, on a 2-core
+    AVX2 EPYC (Zen 3), SmolLM2-135M's layer shapes ran 1.55x torch's F.linear at one row and 2.0-2.8x at 4-64 rows
+    (MKL's sgemm), and oneDNN's result for a row is the same bits whatever else shares the step (every count from 1
+    to 300 checked), which MKL's is only at 4, 8 and 12 rows or more (models/llama.py: batch_invariant_rows).
+    Elsewhere fp32 stays torch's F.linear, which the batch-invariance tests were measured on."""
+    return gemv_kernels() is None and torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses to
+    pack a bf16 weight elsewhere (an AVX2-only EPYC, say), where a bf16 layer stays torch's plain one."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -90,15 +112,18 @@ def unpack_bf16(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(tiles * 32, half_k * 2)[:out_features]
 
 
-def pack_onednn(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] -> oneDNN's pre-packed bf16 weight (an mkldnn tensor), laid out for steps of ~64 rows."""
+def pack_onednn(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W [N, K] -> oneDNN's pre-packed weight in `dtype` (an mkldnn tensor), laid out for steps of ~64 rows."""
     with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 64)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), 64)
 
 
 def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
     """The packed copy a CPU bf16 layer multiplies by in steps of `min_rows` rows or more: inferlab's layout where
-    its kernel runs, unless oneDNN's GEMM takes all such steps (onednn_min_rows); else oneDNN's."""
+    its kernel runs, unless oneDNN's GEMM takes all such steps (onednn_min_rows); else oneDNN's. An fp32 weight
+    stays fp32 (oneDNN's: onednn_fp32_packing)."""
+    if weight.dtype == torch.float32:
+        return pack_onednn(weight, torch.float32)
     amx_rows = onednn_min_rows()
     if gemv_kernels() is not None and weight.shape[1] % 2 == 0 and not (amx_rows and min_rows >= amx_rows):
         with torch.no_grad():
@@ -107,7 +132,7 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
 
 
 def packed_mm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [T, in] bf16 @ the weight `pack_weight` (or `pack_onednn`) packed -> [T, out]."""
+    """x [T, in] @ the weight `pack_weight` (or `pack_onednn`) packed, in its dtype -> [T, out]."""
     if packed.is_mkldnn:
         pad = -x.shape[0] % ONEDNN_ROW_QUANTUM if x.shape[0] > ONEDNN_EXACT_ROWS else 0
         y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, pad)) if pad else x, packed, None, "none", [], "")
@@ -138,8 +163,9 @@ class KernelLinear(nn.Module):
 
 
 class PackedLinear(KernelLinear):
-    """Stands in for a bias-free `nn.Linear` in bf16 on the CPU. `weight` is the plain [out, in] parameter (shared
-    with a tied embedding where there is one) until release_plain_weight(); then a read unpacks it."""
+    """Stands in for a bias-free `nn.Linear` in bf16 (or fp32 where onednn_fp32_packing) on the CPU. `weight` is the
+    plain [out, in] parameter (shared with a tied embedding where there is one) until release_plain_weight(); then a
+    read unpacks it."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -150,14 +176,14 @@ class PackedLinear(KernelLinear):
     def __getattr__(self, name: str):
         # nn.Module looks parameters up here; a released weight is no parameter any more.
         if name == "weight" and "weight" not in self._parameters and "packed" in self.__dict__:
-            return unpack_bf16(self.packed, self.out_features)
+            return self.packed.to_dense() if self.packed.is_mkldnn else unpack_bf16(self.packed, self.out_features)
         return super().__getattr__(name)
 
     def release_plain_weight(self) -> int:
-        """Drop the plain weight where inferlab's layout holds it (weight then unpacks it on each read); returns the
-        bytes freed. Only for a weight no other module reads: the caller knows the model (pack_linears)."""
-        if self.packed.is_mkldnn or "weight" not in self._parameters:
-            return 0  # oneDNN's layout: torch's gemv reads the plain weight at one or two rows
+        """Drop the plain weight where the packed copy is all a step reads (weight then unpacks it on each read);
+        returns the bytes freed. Only for a weight no other module reads: the caller knows the model (pack_linears)."""
+        if self.reads_plain_weight() or "weight" not in self._parameters:
+            return 0
         w = self._parameters.pop("weight")
         return w.numel() * w.element_size()
 
@@ -174,14 +200,18 @@ class PackedLinear(KernelLinear):
         self.onednn_rows = onednn_min_rows() if not self.packed.is_mkldnn else None
         self.onednn = pack_onednn(self.weight) if self.onednn_rows else None
 
+    def reads_plain_weight(self) -> bool:
+        """oneDNN's bf16 layout leaves one or two rows to torch's gemv, which reads the plain weight."""
+        return self.packed.is_mkldnn and self.packed.dtype == torch.bfloat16
+
     def _packed_for(self, rows: int) -> torch.Tensor:
         return self.onednn if self.onednn is not None and rows >= self.onednn_rows else self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.requires_grad or x2.dtype != torch.bfloat16:
+        if x2.requires_grad or x2.dtype != self.packed.dtype:
             y = F.linear(x2, self.weight)
-        elif self.packed.is_mkldnn and x2.shape[0] <= GEMV_MAX_ROWS:
+        elif self.reads_plain_weight() and x2.shape[0] <= GEMV_MAX_ROWS:
             with _without_onednn():
                 y = F.linear(x2, self.weight)
         else:
@@ -237,7 +267,7 @@ def weight_bytes(modules) -> int:
     """Bytes of the modules' weights as loaded, each tensor once: parameters and buffers, and the plain weights that
     packing released (counted as the parameters they were; the packed copies are not counted)."""
     tensors = {id(t): t for m in modules for t in (*m.parameters(), *m.buffers())}
-    released = {id(p): p.in_features * p.out_features * 2 for m in modules for p in m.modules()
+    released = {id(p): p.in_features * p.out_features * p.packed.element_size() for m in modules for p in m.modules()
                 if isinstance(p, PackedLinear) and "weight" not in p._parameters}
     return sum(t.numel() * t.element_size() for t in tensors.values()) + sum(released.values())
 

@@ -129,7 +129,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model = Gemma3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight
-        self._set_pad_rows()
+        self.decide_row_padding()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -204,18 +204,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._set_pad_rows()
+        self.decide_row_padding()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self._set_pad_rows()  # after every device or dtype move (.to(), to_empty(), .float(), ...)
+        self.decide_row_padding()  # after every device or dtype move (.to(), to_empty(), .float(), ...)
         return self
 
-    def _set_pad_rows(self) -> None:
-        # CPU float32 steps are padded to batch_invariant_rows. The norm weight keeps the model's float dtype
-        # whatever quantization replaced.
-        w = self.model.norm.weight
-        self.pad_rows = w.device.type == "cpu" and w.dtype == torch.float32
+    def decide_row_padding(self) -> None:
+        """CPU float32 steps are padded to batch_invariant_rows, unless every projection is oneDNN's packed fp32
+        GEMM, which rounds a row the same at every row count (layers/packed_linear.py: onednn_fp32_packing). Decided
+        again after every move and once the layers are packed (engine/model_runner.py)."""
+        w = self.model.norm.weight  # keeps the model's float dtype whatever quantization replaced
+        self.pad_rows = w.device.type == "cpu" and w.dtype == torch.float32 and not all(
+            isinstance(m, PackedLinear) and m.packed.is_mkldnn and m.packed.dtype == torch.float32
+            for m in self.modules() if isinstance(m, (nn.Linear, KernelLinear)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

@@ -185,7 +185,7 @@ class _EngineCollector(Collector):
                     lambda s: s.num_free_kv_blocks)
         yield gauge("inferlab:kv_cache_bytes", "Bytes of the KV pool.", lambda s: s.kv_cache_bytes)
         yield gauge("inferlab:weight_bytes", "Bytes of model weights as loaded.", lambda s: s.weight_bytes)
-        yield gauge("inferlab:packed_weight_bytes", "Bytes the packed bf16 weight copies for the CPU kernels add to "
+        yield gauge("inferlab:packed_weight_bytes", "Bytes the packed weight copies for the CPU kernels add to "
                     "the weights, net of the plain weights they replace (--pack-weights).",
                     lambda s: s.packed_weight_bytes)
         rss = GaugeMetricFamily("inferlab:peak_rss_bytes", "Peak resident set size of the server process.",
