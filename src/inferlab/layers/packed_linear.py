@@ -11,6 +11,8 @@ while inferlab's kernel streams a few rows' weights faster (1 row 8.0-8.2 vs 11.
 the step's rows (`onednn_min_rows`).
 Elsewhere it is oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`), 1.25-1.6x faster than
 `F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows, which reads the plain weight.
+Where oneDNN cannot multiply bf16 either (no AVX-512: an AVX2-only EPYC, where the engine's default dtype is fp32),
+bf16 layers stay torch's, and fp32 layers take oneDNN's fp32 layout (onednn_fp32_packing).
 inferlab's layout only reorders the weight, so a model's layers drop their plain weight once packed into it and
 unpack it on the rare read off the hot path (`release_plain_weight`); a weight another module reads (a tied
 embedding) stays. So packing costs the model the copies beside the first: for SmolLM2-135M the tied head's 54 MiB
@@ -80,9 +82,10 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 def onednn_fp32_packing() -> bool:
     """Whether fp32 layers take oneDNN's pre-packed GEMM: where inferlab's kernels are not built vectorised (a CPU
     without AVX-512 BF16, such as an AVX2-only EPYC, where the engine's default dtype is fp32). There, on a 2-core
-    AVX2 EPYC (Zen 3), SmolLM2-135M's layer shapes ran 1.55x torch's F.linear at one row and 2.0-2.8x at 4-64 rows
-    (MKL's sgemm), and oneDNN's result for a row is the same bits whatever else shares the step (every count from 1
-    to 300 checked), which MKL's is only at 4, 8 and 12 rows or more (models/llama.py: batch_invariant_rows).
+    AVX2 EPYC (Zen 3), SmolLM2-135M's layer shapes ran 1.8x torch's F.linear (MKL's sgemm) at one row, 3.1x at
+    four, 2.1x and 1.5x at 16 and 64, 1.1x at 256, and oneDNN's result for a row is the same bits whatever else
+    shares the step (every count from 1 to 256 checked), which MKL's is only at 4, 8 and 12 rows or more
+    (models/llama.py: batch_invariant_rows).
     Elsewhere fp32 stays torch's F.linear, which the batch-invariance tests were measured on."""
     return gemv_kernels() is None and torch.backends.mkldnn.is_available() and hasattr(
         torch.ops.mkldnn, "_linear_pointwise")
