@@ -84,7 +84,7 @@ def onednn_fp32_packing() -> bool:
     without AVX-512 BF16, such as an AVX2-only EPYC, where the engine's default dtype is fp32). There, on a 2-core
     AVX2 EPYC (Zen 3), SmolLM2-135M's layer shapes ran 1.8x torch's F.linear (MKL's sgemm) at one row, 3.1x at
     four, 2.1x and 1.5x at 16 and 64, 1.1x at 256, and oneDNN's result for a row is the same bits whatever else
-    shares the step (every count from 1 to 256 checked), which MKL's is only at 4, 8 and 12 rows or more
+    shares the step (1-79, 100, 128, 200 and 256 rows checked), which MKL's is only at 4, 8 and 12 rows or more
     (models/llama.py: batch_invariant_rows).
     Elsewhere fp32 stays torch's F.linear, which the batch-invariance tests were measured on."""
     return gemv_kernels() is None and torch.backends.mkldnn.is_available() and hasattr(
