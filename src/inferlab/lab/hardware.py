@@ -102,6 +102,27 @@ def _best_time(fn, sync, min_seconds: float, min_reps: int = 3) -> float:
     return best
 
 
+def _matmul_size(largest: int, dtype, dev, sync, seconds: float) -> int:
+    """The side of the probe's square matmul: `largest`, or less where a matmul is slow enough that a smaller one
+    times it well. A CPU without bf16 instructions (an AVX2-only EPYC) multiplies bf16 at ~1 GFLOP/s, where a
+    2048-wide one took ~20 s a call, and the probe several calls; doubling from 256 stops before a call would pass
+    `seconds`."""
+    import torch
+
+    n = 256
+    while n < largest:
+        a = torch.randn(n, n, device=dev).to(dtype)
+        a @ a  # the first call pays for setup (a BLAS handle, a thread pool), not the multiply
+        sync()
+        t0 = time.perf_counter()
+        a @ a
+        sync()
+        if (time.perf_counter() - t0) * 8 > seconds:  # twice the side, eight times the work
+            break
+        n *= 2
+    return n
+
+
 def _cpu_name() -> str:
     name = cpuinfo_field("model name") or platform.processor() or platform.machine()
     return f"{name}, {os.cpu_count()} threads"
@@ -140,7 +161,7 @@ def probe_this_machine(device: str | None = None, seconds: float = 0.25) -> Hard
     del x
     flops: dict[str, float] = {}
     for dt, torch_dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        n = n_mm[dt]
+        n_mm[dt] = n = _matmul_size(n_mm[dt], torch_dt, dev, sync, seconds)
         a, b = torch.randn(n, n, device=dev).to(torch_dt), torch.randn(n, n, device=dev).to(torch_dt)
         flops[dt] = 2 * n**3 / _best_time(lambda: a @ b, sync, seconds)
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

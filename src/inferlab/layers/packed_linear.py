@@ -87,16 +87,19 @@ def onednn_fp32_packing() -> bool:
     shares the step (1-79, 100, 128, 200 and 256 rows checked), which MKL's is only at 4, 8 and 12 rows or more
     (models/llama.py: batch_invariant_rows).
     Elsewhere fp32 stays torch's F.linear, which the batch-invariance tests were measured on."""
-    return gemv_kernels() is None and torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise")
+    return gemv_kernels() is None and _onednn_linear_ops()
 
 
 @functools.cache
 def onednn_bf16_available() -> bool:
     """Whether oneDNN multiplies bf16 on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses to
     pack a bf16 weight elsewhere (an AVX2-only EPYC, say), where a bf16 layer stays torch's plain one."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _onednn_linear_ops() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _onednn_linear_ops() -> bool:
+    """Whether this torch build has oneDNN and the linear ops pack_onednn and packed_mm call."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
@@ -206,6 +209,11 @@ class PackedLinear(KernelLinear):
     def reads_plain_weight(self) -> bool:
         """oneDNN's bf16 layout leaves one or two rows to torch's gemv, which reads the plain weight."""
         return self.packed.is_mkldnn and self.packed.dtype == torch.bfloat16
+
+    def rounds_rows_alone(self) -> bool:
+        """Whether a row's result is the same bits whatever other rows share the step: oneDNN's packed fp32 GEMM
+        (onednn_fp32_packing), so a model of such layers needs no row padding (models/llama.py)."""
+        return self.packed.is_mkldnn and self.packed.dtype == torch.float32
 
     def _packed_for(self, rows: int) -> torch.Tensor:
         return self.onednn if self.onednn is not None and rows >= self.onednn_rows else self.packed
