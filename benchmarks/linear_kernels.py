@@ -22,6 +22,16 @@ sums), the row says by how much they differ, and more than 1% of the largest out
 
     python benchmarks/linear_kernels.py --against 7e1d74a --rows 1 2 4 8 16 64
 
+`--fp32` times the paths of a CPU without AVX-512 BF16 (an AVX2-only EPYC), where the engine runs in fp32: F.linear
+(MKL's sgemm), oneDNN's packed fp32 GEMM (layers/packed_linear.py: onednn_fp32_packing), inferlab's int4 and int8
+kernels (their AVX2 builds there), torch's int8 kernel (_weight_int8pack_mm, bf16 activations: the int8 mode's
+stand-in where ours is not vectorised), and int4 and int8 dequantized then F.linear (the path past a kernel's step
+size where no packed copy is kept, and everywhere without a kernel). The
+last columns say whether a row's result is the same bits at `rows` rows as alone, for F.linear and oneDNN (what
+models/llama.py's row padding depends on).
+
+    python benchmarks/linear_kernels.py --fp32 --rows 1 2 4 16 64 256
+
 `--placement` times the same kernels (packed bf16, int4, w8a8) on the same weights in two placements, pass by pass
 alternately: each matrix a tensor of its own, as loading leaves them, and all of them copied end to end onto one
 huge-page mapping in the order a step reads them (layers/packed_linear.py: place_streamed_weights).
@@ -64,7 +74,11 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=30, help="with --against or --placement: passes a side")
     ap.add_argument("--placement", action="store_true", help="each weight its own tensor against one huge-page "
                                                              "mapping for all")
+    ap.add_argument("--fp32", action="store_true", help="the fp32 paths of a CPU without AVX-512 BF16")
     args = ap.parse_args()
+    if args.fp32:
+        fp32_paths(args.rows, args.layers)
+        return
     if args.placement:
         placement(args.rows, args.layers, args.passes)
         return
@@ -136,6 +150,58 @@ def main() -> None:
         x = torch.randn(1, 576, generator=g).bfloat16()
         t = best_of(lambda: kernels.int8_linear(x, head, scale))
         print(f"int8 LM head 49152 x 576, 1 token: {t * 1e3:.3f} ms, {head.numel() / t / 1e9:.1f} GB/s", flush=True)
+
+
+def fp32_paths(rows: list[int], layers: int) -> None:
+    from inferlab.bench.machine import MachineSampler
+    from inferlab.kernels import int_gemv_kernels
+    from inferlab.layers.packed_linear import pack_onednn
+    from inferlab.quant.int4 import Int4Linear
+
+    kernels = int_gemv_kernels()
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=g) for _ in range(layers) for o, i in SHAPES]
+    onednn = [pack_onednn(w, torch.float32) for w in weights]
+    q4 = [random_q4_1(g, *w.shape) for w in weights]
+    q4_layers = [Int4Linear(q, d.view(torch.float16), mn.view(torch.float16), 32) for q, d, mn in q4]
+    q8 = [quantize_int8(w) for w in weights]
+    nbytes, q4_bytes = sum(w.numel() * 4 for w in weights), sum(q.numel() + 2 * d.numel() * 2 for q, d, _ in q4)
+    q8_bytes = sum(q.numel() for q, _ in q8)
+    cases = {
+        "F.linear": lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights],
+        "oneDNN packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                     for w, p in zip(weights, onednn)],
+        "int4 ours": lambda xs: [kernels.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32) for q, d, mn in q4],
+        "int4 dequantized": lambda xs: [F.linear(xs[lin.in_features], lin.dequantize()) for lin in q4_layers],
+        "int8 ours": lambda xs: [kernels.int8_linear(xs[q.shape[1]], q, s) for q, s in q8],
+        "int8 torch": lambda xs: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]].bfloat16(), q, s) for q, s in q8],
+        "int8 dequantized": lambda xs: [F.linear(xs[q.shape[1]], q.float() * s.float()[:, None]) for q, s in q8],
+    }
+    if kernels is None:
+        for name in ("int4 ours", "int8 ours"):
+            del cases[name]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {layers} layers' matmuls a pass "
+          f"(SmolLM2-135M's shapes), fp32 activations; best of 5 passes; inferlab's integer kernels: "
+          f"{'vectorised' if kernels is not None else 'not vectorised here (left out)'}")
+    bytes_of = {"F.linear": nbytes, "oneDNN packed": nbytes, "int4 ours": q4_bytes, "int4 dequantized": q4_bytes,
+                "int8 ours": q8_bytes, "int8 torch": q8_bytes, "int8 dequantized": q8_bytes}
+    print("| rows | " + " | ".join(f"{name} ms (GB/s)" for name in cases) + " | row alone = in step: F.linear, oneDNN |")
+    print("|---" * (len(cases) + 2) + "|")
+    machine = MachineSampler()
+    machine.start()
+    for m in rows:
+        xs = {i: torch.randn(m, i, generator=g) for _, i in SHAPES}
+        cells = []
+        for name, run in cases.items():
+            t = best_of(lambda: run(xs))
+            cells.append(f"{t * 1e3:.2f} ({bytes_of[name] / t / 1e9:.1f})")
+        alone = {i: x[:1] for i, x in xs.items()}
+        same = [all(torch.equal(a[:1], b) for a, b in zip(cases[name](xs), cases[name](alone)))
+                for name in ("F.linear", "oneDNN packed")]
+        print(f"| {m} | " + " | ".join(cells) + " | " + ", ".join("yes" if x else "no" for x in same) + " |",
+              flush=True)
+    share = machine.stop()["foreign_cpu_share"]
+    print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
 
 
 def random_q4_1(g: torch.Generator, out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:

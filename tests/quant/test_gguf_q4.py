@@ -9,12 +9,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from int8_activations import int8_groups
 
-from inferlab.kernels import gemv_kernels
+from inferlab.kernels import int_gemv_kernels
 from inferlab.quant import quantize_weight
 from inferlab.quant.gguf_q4 import RawGGUFWeight, q4_1_blocks, q8_0_blocks
 
-needs_gemv_kernels = pytest.mark.skipif(gemv_kernels() is None,
-                                         reason="inferlab's int4 kernel needs AVX-512 BF16 and a C++ compiler")
+needs_int_kernels = pytest.mark.skipif(int_gemv_kernels() is None,
+                                       reason="inferlab's int4 kernel needs AVX-512 BF16 or AVX2, and a C++ compiler")
 
 
 def _raw(kind: str, n: int = 128, k: int = 256, seed: int = 0) -> RawGGUFWeight:
@@ -41,7 +41,7 @@ def test_q4_1_direct_is_exact(seed):
     assert torch.equal(layer.m.view(torch.int16), torch.from_numpy(blocks[..., 2:4].copy().view(np.int16)[..., 0]))
 
 
-@needs_gemv_kernels
+@needs_int_kernels
 @pytest.mark.parametrize("k", [256, 576, 192])  # 576 and 192: an odd number of 64-column chunks
 def test_q4_1_kernel_multiplies_by_the_file_values(k):
     """The kernel's weight values, read by multiplying the identity (one value a group: its int8 form is exact),

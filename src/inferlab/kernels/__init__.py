@@ -106,3 +106,10 @@ def gemv_kernels():
     BF16), else None: the scalar build computes the same values, but slower than torch's own paths."""
     k = cpu_kernels()
     return k if k is not None and k.gemv_simd() else None
+
+
+def int_gemv_kernels():
+    """The kernels if their integer products (gemv.cpp: int8, and int4 at group size 32 with int8 activations) were
+    built vectorised: with AVX-512 BF16 as gemv_kernels(), or with AVX2 (an EPYC before Zen 4), else None."""
+    k = cpu_kernels()
+    return k if k is not None and k.int_gemv_simd() else None

@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)", nogil);
   m.def("rotary_kv_write", &rotary_kv_write, "rotary Q/K + K/V write into the paged pool (CPU)", nogil);
   m.def("gemv_simd", &gemv_simd, "whether the gemv and packed GEMM kernels were built with AVX-512 BF16");
+  m.def("int_gemv_simd", &int_gemv_simd,
+        "whether int8_linear and int4_linear at group size 32 were built vectorised (AVX-512 BF16 or AVX2)");
   m.def("int8_linear", &int8_linear, "x @ (q * scale).T for int8 weights, per-row scales (CPU)", nogil);
   m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)", nogil);
   m.def("packed_linear", &packed_linear, "x @ w.T for a bf16 weight in inferlab's packed layout (CPU)",

@@ -26,8 +26,9 @@
 //         --quantization int4 --no-pack-weights --max-num-batched-tokens 32`).
 //
 // A tile of NB output rows x MB tokens shares every weight load, so one pass over the weight serves the whole step.
-// Row tiles are split over the threads. Without AVX-512 (BW, BF16) at build time the scalar loops below compute
-// the same sums slowly; `gemv_simd()` tells Python which one it got, so it can prefer another path.
+// Row tiles are split over the threads. Without AVX-512 (BW, BF16) at build time, int8 and int4 at G = 32 take
+// AVX2 versions of the same integer sums (where the CPU has AVX2), and the rest scalar loops that compute the same
+// sums slowly; `gemv_simd()` and `int_gemv_simd()` tell Python which it got, so it can prefer another path.
 
 #include "cpu_common.h"
 
@@ -43,8 +44,17 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define INFERLAB_GEMV_SIMD 1
+#define INFERLAB_GEMV_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// An AVX2-only CPU (an EPYC before Zen 4, an Intel core before Ice Lake): the integer kernels, int8 and int4 with
+// int8 activations, have 256-bit versions (vpmaddubsw and vpmaddwd make the same exact integer sums); the kernels
+// that multiply bf16 (int4 with G >= 64) stay scalar.
+#include <immintrin.h>
+#define INFERLAB_GEMV_SIMD 0
+#define INFERLAB_GEMV_AVX2 1
 #else
 #define INFERLAB_GEMV_SIMD 0
+#define INFERLAB_GEMV_AVX2 0
 #endif
 
 namespace {
@@ -173,9 +183,64 @@ inline void int8_tile(const int16_t* a, int64_t Kp, int64_t K, const int8_t* w, 
 }
 #endif
 
+#if INFERLAB_GEMV_AVX2
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// 8 values of either activation dtype as fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// 16 columns a step. An int32 lane sums two products of at most 127 * 16383 a step, so the lanes are emptied into
+// fp32 sums every kFlushColumns columns (K reaches 14,336 in Llama 3 8B's down projection; a lane would overflow
+// past ~8,200).
+constexpr int64_t kFlushColumns = 4096;
+
+template <int MB, int NB>
+inline void int8_tile(const int16_t* a, int64_t Kp, int64_t K, const int8_t* w, float* out /*[MB][NB]*/) {
+  for (int i = 0; i < MB * NB; ++i) out[i] = 0.f;
+  for (int64_t k0 = 0; k0 < K; k0 += kFlushColumns) {
+    const int64_t k1 = std::min(K, k0 + kFlushColumns);
+    __m256i acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 16) {
+      __m256i wv[NB];
+      for (int n = 0; n < NB; ++n) {
+        if (k + 16 <= K) {
+          wv[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + n * K + k)));
+        } else {  // the last columns, copied out (the activations are zero-padded to Kp; the weights are not)
+          alignas(16) int8_t tail[16] = {};
+          std::memcpy(tail, w + n * K + k, K - k);
+          wv[n] = _mm256_cvtepi8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * Kp + k));
+        for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_add_epi32(acc[m][n], _mm256_madd_epi16(wv[n], av));
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int n = 0; n < NB; ++n) out[m * NB + n] += static_cast<float>(hsum8(acc[m][n]));
+  }
+}
+#endif
+
 template <int MB, int NB>
 void int8_tile_any(const int16_t* a, int64_t Kp, int64_t K, const int8_t* w, float* out) {
-#if INFERLAB_GEMV_SIMD
+#if INFERLAB_GEMV_SIMD || INFERLAB_GEMV_AVX2
   int8_tile<MB, NB>(a, Kp, K, w, out);
 #else
   for (int m = 0; m < MB; ++m)
@@ -378,6 +443,33 @@ void quantize_int8_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* sx
       asum[m * groups + g] = s * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
   }
+#elif INFERLAB_GEMV_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  // vpackssdw and vpacksswb interleave their 128-bit halves: this puts the 32 values back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = load8(x + m * K + g * 32 + 8 * i);
+      __m256 vmax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const float s = amax / 127.f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      int8_t* unit = a + m * Ka + (g / 4) * 128 + (g % 4) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(unit), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(unit + 64), _mm256_extracti128_si256(bytes, 1));
+      for (int i = 0; i < 4; ++i) sxv[m * groups * 4 + g * 4 + i] = s;
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      asum[m * groups + g] = s * static_cast<float>(hsum8(sum));
+    }
+  }
 #else
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -483,9 +575,59 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
 }
 #endif
 
+#if INFERLAB_GEMV_AVX2
+// One 32-byte chunk (two groups) a step: vpmaddubsw multiplies nibble-activation pairs and adds neighbours into
+// int16 (the low and high nibbles' sums added there too: at most 4 * 15 * 127, no saturation), vpmaddwd adds pairs
+// of those into the int32 lanes, 0-3 the chunk's first group and 4-7 its second.
+template <int MB, int NB>
+inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w,
+                         const uint16_t* d, float* out /*[MB][NB]*/) {
+  const int64_t ldw = K / 2, ldd = K / 32, chunks = K / 64;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i two_groups = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t xo = (c / 2) * 128 + (c % 2) * 32;  // the chunk's low-nibble activations; its high ones at +64
+    __m256i lo[NB], hi[NB];
+    __m256 dv[NB];
+    for (int n = 0; n < NB; ++n) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * ldw + 32 * c));
+      lo[n] = _mm256_and_si256(v, low4);
+      hi[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      int32_t pair;
+      std::memcpy(&pair, d + n * ldd + 2 * c, sizeof pair);
+      dv[n] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))), two_groups);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * Ka + xo));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * Ka + xo + 64));
+      const __m256 sx = _mm256_loadu_ps(sxv + (m * chunks + c) * 8);
+      for (int n = 0; n < NB; ++n) {
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], xlo), _mm256_maddubs_epi16(hi[n], xhi));
+        acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), _mm256_mul_ps(dv[n], sx),
+                                    acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) out[m * NB + n] = hsum8(acc[m][n]);
+}
+#endif
+
 // sum over groups of m * asum for one row and token.
 inline float int4_a8_offsets(const uint16_t* mn, const float* asum, int64_t groups) {
-#if INFERLAB_GEMV_SIMD
+#if INFERLAB_GEMV_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g))),
+                          _mm256_loadu_ps(asum + g), acc);
+  float s = hsum8(acc);
+  for (; g < groups; ++g) s += fp16_to_float(mn[g]) * asum[g];
+  return s;
+#elif INFERLAB_GEMV_SIMD
   __m512 acc = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 16) {
     const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
@@ -503,7 +645,7 @@ inline float int4_a8_offsets(const uint16_t* mn, const float* asum, int64_t grou
 template <int MB, int NB>
 void int4_a8_tile_any(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w, const uint16_t* d,
                       float* out) {
-#if INFERLAB_GEMV_SIMD
+#if INFERLAB_GEMV_SIMD || INFERLAB_GEMV_AVX2
   int4_a8_tile<MB, NB>(a, Ka, sxv, K, w, d, out);
 #else
   const int64_t ldw = K / 2, ldd = K / 32;
@@ -562,6 +704,8 @@ void int4_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const uin
 }  // namespace
 
 bool gemv_simd() { return INFERLAB_GEMV_SIMD; }
+
+bool int_gemv_simd() { return INFERLAB_GEMV_SIMD || INFERLAB_GEMV_AVX2; }
 
 // x [M, K] fp32|bf16; qweight int8 [N, K]; scales [N] (fp32 or bf16) -> y [M, N] in x's dtype.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales) {

@@ -15,6 +15,7 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_kv_write(torch::Tensor qkv, torc
                                                          torch::Tensor k_cache, torch::Tensor v_cache,
                                                          torch::Tensor slots, int64_t H, int64_t KVH);
 bool gemv_simd();
+bool int_gemv_simd();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           int64_t group_size);

@@ -9,7 +9,8 @@ file's nibble bytes and its fp16 (d, m) as they are: the layer multiplies by exa
 
 inferlab's CPU kernel (kernels/gemv.cpp) reads this layout directly; it needs K % 64 == 0 and G = 32 or a
 multiple of 64. With G = 32 it also rounds the activations to int8 per group of 32, as llama.cpp's Q8_1 does, and
-multiplies in integers (VNNI); larger groups keep bf16 activations. Other shapes, other devices, and a machine
+multiplies in integers (VNNI, or AVX2 on a CPU without AVX-512); larger groups keep bf16 activations (AVX-512 BF16
+only). Other shapes, other devices, and a machine
 where the kernels cannot be built dequantize and use the dense matmul.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from inferlab.kernels import gemv_kernels, int_gemv_kernels
 from inferlab.quant.linear import QuantLinear
 
 FP16_MAX = 65504.0
@@ -69,6 +71,9 @@ class Int4Linear(QuantLinear):
     scheme = "int4"
     # From `python benchmarks/quantization.py kernels`: see docs/benchmarks.md (quantization).
     max_kernel_tokens = 48
+    # On an AVX2 EPYC the kernel ran SmolLM2-135M's layers as fast as dequantizing to fp32 + MKL up to 256 tokens
+    # (1.7x at 128); at 512, 1.05x slower (`python benchmarks/linear_kernels.py --fp32`, docs/benchmarks.md).
+    max_kernel_tokens_fp32 = 256
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
                  from_q4_1: bool = False):
@@ -101,8 +106,11 @@ class Int4Linear(QuantLinear):
         return cls(packed.contiguous(), d, m, 32, from_q4_1=True)
 
     def find_kernels(self):
-        k, g = self.in_features, self.group_size
-        return super().find_kernels() if k % 64 == 0 and (g == 32 or g % 64 == 0) else None
+        if self.device.type != "cpu" or self.in_features % 64:
+            return None
+        # Group 32 multiplies integers, which the AVX2 build does too; larger groups multiply bf16 (AVX-512 BF16).
+        g = self.group_size
+        return int_gemv_kernels() if g == 32 else gemv_kernels() if g % 64 == 0 else None
 
     def dequantize_rows(self, rows: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         p, d, m = (self.qweight, self.d, self.m) if rows is None else (self.qweight[rows], self.d[rows], self.m[rows])

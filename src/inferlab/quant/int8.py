@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from inferlab.kernels import gemv_kernels
+from inferlab.kernels import int_gemv_kernels
 from inferlab.quant.linear import QuantLinear
 
 QMAX = 127  # symmetric range: -128 is left unused so that q and -q are both representable
@@ -34,6 +34,9 @@ class Int8Linear(QuantLinear):
     scheme = "int8"
     # From `python benchmarks/quantization.py kernels`: see docs/benchmarks.md (quantization).
     max_kernel_tokens = 16
+    # Against dequantizing to fp32 + MKL on an AVX2 EPYC, ours and torch's kernel both won up to 64 tokens (ours
+    # 1.8x at 64, torch's 1.15x; torch's lost from 128) (`python benchmarks/linear_kernels.py --fp32`).
+    max_kernel_tokens_fp32 = 64
     # Activations stay unrounded here; quant/w8a8.py rounds them to int8 too, for VNNI (--quantization w8a8).
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
@@ -51,11 +54,11 @@ class Int8Linear(QuantLinear):
         return q.to(dtype) * s.to(dtype)[:, None]
 
     def find_kernels(self):
-        # Where inferlab's kernels are built without AVX-512 BF16, torch's own int8 kernel still beats dequantizing
-        # for one token: the module's stand-in below calls it.
+        # Where inferlab's integer kernels are not vectorised (neither AVX-512 BF16 nor AVX2), torch's own int8
+        # kernel still beats dequantizing for one token: the module's stand-in below calls it.
         if self.device.type != "cpu":
             return None
-        return gemv_kernels() or _TorchInt8Kernel
+        return int_gemv_kernels() or _TorchInt8Kernel
 
     def _kernel_mm(self, kernels, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_linear(x, self.qweight, self.scales)

@@ -12,7 +12,8 @@ path has two forms:
     weights in memory, which the engine reports beside the quantized bytes. Kernel up to PACKED_MAX_KERNEL_TOKENS.
   - dequantize per step (`--no-pack-weights`, fp32 models, other devices): no second copy, so the memory saving
     stays whole; the dequantization is a fixed cost that only a larger step amortises, hence the larger
-    per-scheme `max_kernel_tokens`.
+    per-scheme `max_kernel_tokens`, and larger still with fp32 activations (`max_kernel_tokens_fp32`: the
+    dense path then dequantizes into fp32 and runs MKL's sgemm, as on a CPU without AVX-512 BF16).
 Both forms multiply by the dequantized values, so every path computes with the same weights.
 """
 
@@ -40,8 +41,10 @@ class QuantLinear(KernelLinear):
     """
 
     scheme = ""
-    # Without a packed copy, steps with more tokens than this dequantize and run the dense matmul.
+    # Without a packed copy, steps with more tokens than this dequantize and run the dense matmul; with fp32
+    # activations (which never use the bf16 copy) past max_kernel_tokens_fp32.
     max_kernel_tokens = 0
+    max_kernel_tokens_fp32 = 0
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -57,7 +60,10 @@ class QuantLinear(KernelLinear):
             self.packed = None  # a CPU copy is no use elsewhere
         return self
 
-    def kernel_token_limit(self) -> int:
+    def kernel_token_limit(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """The most tokens a step of activations in `dtype` runs on the kernel."""
+        if dtype == torch.float32:
+            return self.max_kernel_tokens_fp32
         return PACKED_MAX_KERNEL_TOKENS if self.packed is not None else self.max_kernel_tokens
 
     def pack_dense(self) -> int:
@@ -78,7 +84,7 @@ class QuantLinear(KernelLinear):
         # buffers() here cost ~5% of a batch-1 step).
         x2 = x.reshape(-1, self.in_features)
         kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
-        if (kernels is not None and x2.shape[0] <= self.kernel_token_limit() and x.dtype in KERNEL_DTYPES
+        if (kernels is not None and x2.shape[0] <= self.kernel_token_limit(x.dtype) and x.dtype in KERNEL_DTYPES
                 and not x.requires_grad):
             y = self._kernel_mm(kernels, x2)
         else:

@@ -49,7 +49,7 @@ def unpack_w8a8(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 class W8A8Linear(QuantLinear):
     scheme = "w8a8"
-    max_kernel_tokens = 1 << 62  # the kernel at every step size (see the module's docstring)
+    max_kernel_tokens = max_kernel_tokens_fp32 = 1 << 62  # the kernel at every step size (see the module's docstring)
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, out_features: int):
         super().__init__(qweight.shape[1] * 4, out_features)
