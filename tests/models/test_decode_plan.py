@@ -11,10 +11,11 @@ from row_invariant import onednn_from_rows
 from tiny_models import build_hf_model, save_hf
 
 from inferlab import LLM, SamplingParams
-from inferlab.kernels import cpu_kernels, gemv_kernels
+from inferlab.kernels import cpu_kernels, gemv_kernels, int_gemv_kernels
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(gemv_kernels() is None, reason="the plan needs inferlab's AVX-512 BF16 kernels")]
+pytestmark = pytest.mark.slow
+needs_bf16_kernels = pytest.mark.skipif(gemv_kernels() is None,
+                                        reason="the bf16 plan needs inferlab's AVX-512 BF16 kernels")
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a quiet village,"]
 MORE = ["The three primary colours are", "import numpy as np\n", "Dear Sir or Madam,", "In 1969, the first"]
@@ -47,6 +48,7 @@ def _compare_with_and_without(llm: LLM, monkeypatch) -> None:
     model.decode_plan = plan
 
 
+@needs_bf16_kernels
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4", "w8a8"])
 def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
     llm = LLM(quantization=quantization, dtype="bfloat16", kv_cache_memory=64 * 2**20)
@@ -62,6 +64,7 @@ def test_plan_is_token_identical_to_the_layers(quantization, monkeypatch):
     _compare_with_and_without(llm, monkeypatch)
 
 
+@needs_bf16_kernels
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_plan_on_onednn_copies_is_token_identical_to_the_layers(quantization, monkeypatch):
     """Where the CPU has AMX, dense steps of four rows or more multiply by oneDNN's pre-packed copy
@@ -77,6 +80,7 @@ def test_plan_on_onednn_copies_is_token_identical_to_the_layers(quantization, mo
     _compare_with_and_without(llm, monkeypatch)
 
 
+@needs_bf16_kernels
 def test_plan_on_an_int8_kv_pool_is_token_identical_to_the_layers(monkeypatch):
     llm = LLM(quantization="w8a8", kv_cache_dtype="int8", kv_cache_memory=32 * 2**20)
     plan = llm.engine.runner.model.model.decode_plan
@@ -84,6 +88,7 @@ def test_plan_on_an_int8_kv_pool_is_token_identical_to_the_layers(monkeypatch):
     _compare_with_and_without(llm, monkeypatch)
 
 
+@needs_bf16_kernels
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_plan_serves_qwen3_and_gemma3_layers_token_identically(family, quantization, tmp_path_factory, monkeypatch):
@@ -107,11 +112,24 @@ def test_no_plan_where_the_kernels_do_not_apply(llm_fp32):
     assert llm_fp32.engine.runner.model.model.decode_plan is None  # fp32: the layers run one by one
 
 
+@pytest.mark.skipif(int_gemv_kernels() is None, reason="inferlab's integer kernels are not vectorised here")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_fp32_plan_on_the_integer_kernels_is_token_identical_to_the_layers(quantization, monkeypatch):
+    """fp32 activations (the default on a CPU without AVX-512 BF16) take the plan where every projection is
+    quantized; inferlab's integer kernels compute each row alone, so the steps are not padded to more rows either
+    (models/llama.py: decide_row_padding)."""
+    llm = LLM(quantization=quantization, dtype="float32", kv_cache_memory=64 * 2**20)
+    model = llm.engine.runner.model
+    assert not model.pad_rows and model.model.decode_plan is not None
+    _compare_with_and_without(llm, monkeypatch)
+
+
 
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening, counting the steps aloud so that the "
         "silence would not settle on him. ") * 6
 
 
+@needs_bf16_kernels
 def test_prefill_chunks_beside_decodes_run_on_the_plan_as_rows(monkeypatch):
     """A prompt prefilled in 24-token chunks while three streams decode: with row attention each chunk token is a
     row of the plan's decode kernel (engine/model_runner.py: ROW_ATTENTION_MAX_KEYS), without it the chunks take
@@ -162,6 +180,7 @@ def test_prefill_chunks_beside_decodes_run_on_the_plan_as_rows(monkeypatch):
     assert streams_rows == streams_sdpa
 
 
+@needs_bf16_kernels
 def test_steps_without_decodes_run_on_the_plan_as_rows(monkeypatch):
     """A lone prompt, prompts arriving together and a prefix-cache hit run their tokens as rows of the plan too.
     Each row's arithmetic is the same whatever shares its step (the packed GEMMs and the decode kernel are
@@ -212,6 +231,7 @@ def test_steps_without_decodes_run_on_the_plan_as_rows(monkeypatch):
     assert [o["tokens"] for o in together] == [run(fresh, [p], sp)[0]["tokens"] for p in prompts]
 
 
+@needs_bf16_kernels
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_onednn_steps_on_padded_rows_compute_the_same_bits(kv_cache_dtype, monkeypatch):
     """oneDNN builds a GEMM for each row count it meets, so steps of more than ONEDNN_EXACT_ROWS rows multiply rows

@@ -177,3 +177,16 @@ def test_int8_falls_back_to_torchs_kernel_without_ours(monkeypatch):
     theirs = layer(x)
     assert not torch.equal(ours, theirs)  # really another kernel (bf16 activations)...
     assert torch.allclose(ours, theirs, rtol=0.02, atol=0.02 * ours.abs().max().item())  # ...same product
+
+
+@pytest.mark.skipif(int_gemv_kernels() is None, reason="inferlab's integer kernels are not vectorised here")
+def test_integer_kernels_round_each_row_alone():
+    """What lets an fp32 model of int8/int4 layers skip the row padding MKL's sgemm needs (models/llama.py:
+    decide_row_padding): a row's result is the same bits at every step size the kernel takes."""
+    w = _weights(8, n=203)
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(8))
+    for layer in (Int8Linear.from_float(w), Int4Linear.from_float(w, 32)):
+        assert layer.rounds_rows_alone()
+        alone = torch.cat([layer(x[r:r + 1]) for r in range(13)])
+        for n in range(2, 14):
+            assert torch.equal(layer(x[:n]), alone[:n]), (layer.scheme, n)

@@ -154,10 +154,16 @@ class KernelLinear(nn.Module):
     """A bias-free linear layer that inferlab's kernels multiply by: packed bf16 (PackedLinear below) or quantized
     (quant/linear.py, QuantLinear). The one-call decode path (kernels/decode_layers.cpp) runs only these."""
 
-    def plan_linear(self):
+    def plan_linear(self, dtype: torch.dtype = torch.bfloat16):
         """This projection as a kernels.PlanLinear, which decode_layers.cpp multiplies by exactly as forward()
-        would at that step size; None where inferlab's kernels do not multiply it."""
+        would at that step size for activations in `dtype`; None where inferlab's kernels do not multiply it."""
         raise NotImplementedError
+
+    def rounds_rows_alone(self) -> bool:
+        """Whether an fp32 row's result is the same bits whatever other rows share the step, at every step size
+        where MKL's sgemm's is not (models/llama.py: batch_invariant_rows), so a model of such layers needs no row
+        padding."""
+        return False
 
     def pack_dense(self) -> int:
         """Keep a packed bf16 copy of the weight for large steps; returns the bytes added."""
@@ -211,9 +217,7 @@ class PackedLinear(KernelLinear):
         return self.packed.is_mkldnn and self.packed.dtype == torch.bfloat16
 
     def rounds_rows_alone(self) -> bool:
-        """Whether a row's result is the same bits whatever other rows share the step: oneDNN's packed fp32 GEMM
-        (onednn_fp32_packing), so a model of such layers needs no row padding (models/llama.py)."""
-        return self.packed.is_mkldnn and self.packed.dtype == torch.float32
+        return self.packed.is_mkldnn and self.packed.dtype == torch.float32  # oneDNN's (see onednn_fp32_packing)
 
     def _packed_for(self, rows: int) -> torch.Tensor:
         return self.onednn if self.onednn is not None and rows >= self.onednn_rows else self.packed
@@ -240,9 +244,9 @@ class PackedLinear(KernelLinear):
     def streamed_tensors(self) -> list[str]:
         return [] if self.packed.is_mkldnn else ["packed"]
 
-    def plan_linear(self):
+    def plan_linear(self, dtype: torch.dtype = torch.bfloat16):
         """ProjKind.PACKED: the packed weight at every step size, as forward() multiplies by it."""
-        if self.packed.is_mkldnn:
+        if self.packed.is_mkldnn or dtype != torch.bfloat16:
             return None
         kernels = gemv_kernels()
         p = kernels.PlanLinear()

@@ -143,24 +143,25 @@ class LlamaModel(nn.Module):
     def build_decode_plan(self) -> bool:
         """Prepare the one-call path for decode-only steps (see the module's docstring). It applies where every
         projection has a kernel of inferlab's own for small steps, the activations and norms are one dtype the
-        kernels take (bf16 on the CPU) and the KV pool is that dtype or int8; steps past a projection's kernel need
-        its packed weight, so the plan covers decodes of up to `decode_plan_max_tokens` tokens (all, with packed
-        weights). Call after the KV pool is allocated (the plan holds each layer's slice of it). Says whether it
-        applies."""
+        kernels take (bf16, or fp32 where every projection is quantized: an AVX2 CPU's default) and the KV pool is
+        that dtype or int8; steps past a projection's kernel need its packed weight, so the plan covers decodes of
+        up to `decode_plan_max_tokens` tokens (all, with packed weights). Call after the KV pool is allocated (the
+        plan holds each layer's slice of it) and the row padding is decided (fp32 steps it pads never take the
+        plan). Says whether it applies."""
         self.decode_plan, self.decode_plan_max_tokens = None, 0
         kernels = cpu_kernels()
         first = self.layers[0]
         if kernels is None or first.self_attn.attn.k_cache.numel() == 0:
             return False
-        if kernels_for_pool(first.input_layernorm.weight, first.self_attn.attn.k_cache) is None \
-                or first.input_layernorm.weight.dtype != torch.bfloat16:
+        dtype = first.input_layernorm.weight.dtype
+        if kernels_for_pool(first.input_layernorm.weight, first.self_attn.attn.k_cache) is None:
             return False
         layers, max_tokens = [], 1 << 62
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
             if getattr(a.qkv_proj, "bias", None) is not None:  # Qwen2: the plan has no bias
                 return False
-            projs = [m.plan_linear() if isinstance(m, KernelLinear) else None
+            projs = [m.plan_linear(dtype) if isinstance(m, KernelLinear) else None
                      for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(p is None for p in projs):
                 return False
@@ -217,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         again after every move and once the layers are packed (engine/model_runner.py)."""
         w = self.model.norm.weight  # keeps the model's float dtype whatever quantization replaced
         self.pad_rows = w.device.type == "cpu" and w.dtype == torch.float32 and not all(
-            isinstance(m, PackedLinear) and m.rounds_rows_alone() for m in self.modules() if isinstance(m, (nn.Linear, KernelLinear)))
+            isinstance(m, KernelLinear) and m.rounds_rows_alone() for m in self.modules() if isinstance(m, (nn.Linear, KernelLinear)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

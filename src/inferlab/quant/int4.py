@@ -73,6 +73,7 @@ class Int4Linear(QuantLinear):
     max_kernel_tokens = 48
     # On an AVX2 EPYC the kernel ran SmolLM2-135M's layers as fast as dequantizing to fp32 + MKL up to 256 tokens
     # (1.7x at 128); at 512, 1.05x slower (`python benchmarks/linear_kernels.py --fp32`, docs/benchmarks.md).
+    kernel_rows_alone = True
     max_kernel_tokens_fp32 = 256
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,

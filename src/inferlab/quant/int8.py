@@ -36,6 +36,7 @@ class Int8Linear(QuantLinear):
     max_kernel_tokens = 16
     # Against dequantizing to fp32 + MKL on an AVX2 EPYC, ours and torch's kernel both won up to 64 tokens (ours
     # 1.8x at 64, torch's 1.15x; torch's lost from 128) (`python benchmarks/linear_kernels.py --fp32`).
+    kernel_rows_alone = True
     max_kernel_tokens_fp32 = 64
     # Activations stay unrounded here; quant/w8a8.py rounds them to int8 too, for VNNI (--quantization w8a8).
 

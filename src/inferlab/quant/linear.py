@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inferlab.kernels import gemv_kernels
+from inferlab.kernels import gemv_kernels, int_gemv_kernels
 from inferlab.layers.packed_linear import KernelLinear, pack_weight, packed_bytes, packed_mm, packing_available
 
 # With a packed bf16 copy the kernel wins up to 4 tokens on every SmolLM2-135M shape, the LM head included, and
@@ -45,6 +45,9 @@ class QuantLinear(KernelLinear):
     # activations (which never use the bf16 copy) past max_kernel_tokens_fp32.
     max_kernel_tokens = 0
     max_kernel_tokens_fp32 = 0
+    # Whether the kernel computes each row of a step on its own (kernels/gemv.cpp's do: a row's sums never meet
+    # another row's, whatever the tile).
+    kernel_rows_alone = False
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -107,16 +110,22 @@ class QuantLinear(KernelLinear):
     def device(self) -> torch.device:
         return next(self.buffers()).device
 
-    def plan_linear(self):
-        """ProjKind.INT8 or INT4, run as forward() runs them: inferlab's kernel up to kernel_token_limit() tokens, the
-        packed copy (where there is one) beyond. None without inferlab's kernel."""
+    def rounds_rows_alone(self) -> bool:
+        # MKL's sgemm differs by row count up to 11 rows: inferlab's kernel takes every fp32 step of that size.
         kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
-        if kernels is None or kernels is not gemv_kernels():
+        return (self.kernel_rows_alone and kernels is not None and kernels is int_gemv_kernels()
+                and self.kernel_token_limit(torch.float32) >= 11)
+
+    def plan_linear(self, dtype: torch.dtype = torch.bfloat16):
+        """ProjKind.INT8 or INT4, run as forward() runs them: inferlab's kernel up to kernel_token_limit(dtype)
+        tokens, the packed copy (where there is one, for bf16) beyond. None without inferlab's kernel."""
+        kernels = self._kernels if self._kernels is not _UNSET else self._lookup_kernels()
+        if kernels is None or kernels is not int_gemv_kernels() or dtype not in KERNEL_DTYPES:
             return None
         p = kernels.PlanLinear()
         self._plan_fields(p, kernels.ProjKind)
-        p.kernel_max_tokens = self.kernel_token_limit()
-        if self.packed is not None:
+        p.kernel_max_tokens = self.kernel_token_limit(dtype)
+        if self.packed is not None and dtype == torch.bfloat16:
             p.out_features = self.out_features
             if self.packed.is_mkldnn:
                 p.onednn = self.packed  # every step past the kernel
