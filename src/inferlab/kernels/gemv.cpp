@@ -105,12 +105,12 @@ void for_each_tile(int64_t N, int64_t row_bytes, const void* w, const Rows& rows
   });
 }
 
-// Runs tile(m0, MB) over the step's tokens in blocks of up to 4, MB a compile-time constant (the register tiles
-// need it); a tile's weight rows stay in L1 between blocks.
-template <typename Tile>
+// Runs tile(m0, MB) over the step's tokens in blocks of up to Block (at most 4), MB a compile-time constant (the
+// register tiles need it); a tile's weight rows stay in L1 between blocks.
+template <int64_t Block = 4, typename Tile>
 void for_each_token_block(int64_t M, const Tile& tile) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    switch (std::min<int64_t>(4, M - m0)) {
+  for (int64_t m0 = 0; m0 < M; m0 += Block) {
+    switch (std::min<int64_t>(Block, M - m0)) {
       case 1: tile(m0, std::integral_constant<int, 1>()); break;
       case 2: tile(m0, std::integral_constant<int, 2>()); break;
       case 3: tile(m0, std::integral_constant<int, 3>()); break;
@@ -252,12 +252,17 @@ void int8_tile_any(const int16_t* a, int64_t Kp, int64_t K, const int8_t* w, flo
 #endif
 }
 
+// AVX2's int8 tile in blocks of 2 tokens: its 16 registers hold 2 x kTileRows accumulators beside the rows'
+// widened weights; at 4 they spilled (30 layers of SmolLM2-135M, fp32, 2 threads: 4 tokens 16.0 -> 13.4 ms, 16
+// tokens 38.2 -> 30.3, 64 tokens 196 -> 158; the int4 tile was as fast or faster at 4: ad-hoc A/B, round 23).
+constexpr int64_t kInt8TokenBlock = INFERLAB_GEMV_AVX2 ? 2 : 4;
+
 // y[m, n0 + n] for a tile of NB rows.
 template <int NB, typename T, typename S>
 void int8_rows(const int16_t* a, const float* inv, int64_t M, int64_t K, int64_t Kp, const int8_t* w, const S* scale,
                T* y, int64_t N, int64_t n0) {
   float out[4 * NB];
-  for_each_token_block(M, [&](int64_t m0, auto mb) {
+  for_each_token_block<kInt8TokenBlock>(M, [&](int64_t m0, auto mb) {
     constexpr int MB = decltype(mb)::value;
     int8_tile_any<MB, NB>(a + m0 * Kp, Kp, K, w, out);
     for (int m = 0; m < MB; ++m)

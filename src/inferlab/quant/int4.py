@@ -71,8 +71,9 @@ class Int4Linear(QuantLinear):
     scheme = "int4"
     # From `python benchmarks/quantization.py kernels`: see docs/benchmarks.md (quantization).
     max_kernel_tokens = 48
-    # On an AVX2 EPYC the kernel ran SmolLM2-135M's layers as fast as dequantizing to fp32 + MKL up to 256 tokens
-    # (1.7x at 128); at 512, 1.05x slower (`python benchmarks/linear_kernels.py --fp32`, docs/benchmarks.md).
+    # On an AVX2 EPYC the kernel ran SmolLM2-135M's layers ahead of dequantizing to fp32 + MKL up to 256 tokens
+    # (1.8x at 128, 1.15-1.24x at 256) and behind at 512 (`python benchmarks/linear_kernels.py --fp32`,
+    # docs/benchmarks.md, round 23).
     kernel_rows_alone = True
     max_kernel_tokens_fp32 = 256
 

@@ -35,7 +35,8 @@ class Int8Linear(QuantLinear):
     # From `python benchmarks/quantization.py kernels`: see docs/benchmarks.md (quantization).
     max_kernel_tokens = 16
     # Against dequantizing to fp32 + MKL on an AVX2 EPYC, ours and torch's kernel both won up to 64 tokens (ours
-    # 1.8x at 64, torch's 1.15x; torch's lost from 128) (`python benchmarks/linear_kernels.py --fp32`).
+    # 2.4x at 64 and 1.3x at 128, torch's 1.05-1.15x at 64 and behind from 128) (`python
+    # benchmarks/linear_kernels.py --fp32`, docs/benchmarks.md, round 23).
     kernel_rows_alone = True
     max_kernel_tokens_fp32 = 64
     # Activations stay unrounded here; quant/w8a8.py rounds them to int8 too, for VNNI (--quantization w8a8).
