@@ -185,7 +185,8 @@ def fp32_paths(rows: list[int], layers: int) -> None:
           f"{'vectorised' if kernels is not None else 'not vectorised here (left out)'}")
     bytes_of = {"F.linear": nbytes, "oneDNN packed": nbytes, "int4 ours": q4_bytes, "int4 dequantized": q4_bytes,
                 "int8 ours": q8_bytes, "int8 torch": q8_bytes, "int8 dequantized": q8_bytes}
-    print("| rows | " + " | ".join(f"{name} ms (GB/s)" for name in cases) + " | row alone = in step: F.linear, oneDNN |")
+    print("| rows | " + " | ".join(f"{name} ms (GB/s)" for name in cases)
+          + " | row alone = in step: F.linear, oneDNN |")
     print("|---" * (len(cases) + 2) + "|")
     machine = MachineSampler()
     machine.start()

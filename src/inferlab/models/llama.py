@@ -218,7 +218,8 @@ class LlamaForCausalLM(nn.Module):
         again after every move and once the layers are packed (engine/model_runner.py)."""
         w = self.model.norm.weight  # keeps the model's float dtype whatever quantization replaced
         self.pad_rows = w.device.type == "cpu" and w.dtype == torch.float32 and not all(
-            isinstance(m, KernelLinear) and m.rounds_rows_alone() for m in self.modules() if isinstance(m, (nn.Linear, KernelLinear)))
+            isinstance(m, KernelLinear) and m.rounds_rows_alone()
+            for m in self.modules() if isinstance(m, (nn.Linear, KernelLinear)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

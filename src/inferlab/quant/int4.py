@@ -10,8 +10,8 @@ file's nibble bytes and its fp16 (d, m) as they are: the layer multiplies by exa
 inferlab's CPU kernel (kernels/gemv.cpp) reads this layout directly; it needs K % 64 == 0 and G = 32 or a
 multiple of 64. With G = 32 it also rounds the activations to int8 per group of 32, as llama.cpp's Q8_1 does, and
 multiplies in integers (VNNI, or AVX2 on a CPU without AVX-512); larger groups keep bf16 activations (AVX-512 BF16
-only). Other shapes, other devices, and a machine
-where the kernels cannot be built dequantize and use the dense matmul.
+only). Other shapes, other devices, and a machine where the kernels cannot be built dequantize and use the dense
+matmul.
 """
 
 from __future__ import annotations
