@@ -16,6 +16,8 @@ from inferlab.kernels import cpu_kernels, gemv_kernels, int_gemv_kernels
 pytestmark = pytest.mark.slow
 needs_bf16_kernels = pytest.mark.skipif(gemv_kernels() is None,
                                         reason="the bf16 plan needs inferlab's AVX-512 BF16 kernels")
+needs_int_kernels = pytest.mark.skipif(int_gemv_kernels() is None,
+                                       reason="inferlab's integer kernels are not vectorised here")
 
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, in a quiet village,"]
 MORE = ["The three primary colours are", "import numpy as np\n", "Dear Sir or Madam,", "In 1969, the first"]
@@ -88,16 +90,18 @@ def test_plan_on_an_int8_kv_pool_is_token_identical_to_the_layers(monkeypatch):
     _compare_with_and_without(llm, monkeypatch)
 
 
-@needs_bf16_kernels
-@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("quantization, dtype", [pytest.param("none", "bfloat16", marks=needs_bf16_kernels),
+                                                 pytest.param("int4", "bfloat16", marks=needs_bf16_kernels),
+                                                 pytest.param("int4", "float32", marks=needs_int_kernels)])
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_plan_serves_qwen3_and_gemma3_layers_token_identically(family, quantization, tmp_path_factory, monkeypatch):
+def test_plan_serves_qwen3_and_gemma3_layers_token_identically(family, quantization, dtype, tmp_path_factory,
+                                                               monkeypatch):
     from inferlab.models.loader import load_tokenizer
 
     # Gemma's window (64) holds every context here: the plan serves every decode step (it declines past it).
     extra = {"sliding_window": 64} if family == "gemma3" else {}
     folder = save_hf(build_hf_model(family, **extra), load_tokenizer(None), tmp_path_factory.mktemp(family) / "hf")
-    llm = LLM(model=str(folder), quantization=quantization, dtype="bfloat16", kv_cache_memory=16 * 2**20)
+    llm = LLM(model=str(folder), quantization=quantization, dtype=dtype, kv_cache_memory=16 * 2**20)
     model = llm.engine.runner.model.model
     plan = model.decode_plan
     assert plan is not None and plan.gelu == (family == "gemma3")
@@ -112,7 +116,7 @@ def test_no_plan_where_the_kernels_do_not_apply(llm_fp32):
     assert llm_fp32.engine.runner.model.model.decode_plan is None  # fp32: the layers run one by one
 
 
-@pytest.mark.skipif(int_gemv_kernels() is None, reason="inferlab's integer kernels are not vectorised here")
+@needs_int_kernels
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_fp32_plan_on_the_integer_kernels_is_token_identical_to_the_layers(quantization, monkeypatch):
     """fp32 activations (the default on a CPU without AVX-512 BF16) take the plan where every projection is
