@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether int8_linear and int4_linear at group size 32 were built vectorised (AVX-512 BF16 or AVX2)");
   m.def("int8_linear", &int8_linear, "x @ (q * scale).T for int8 weights, per-row scales (CPU)", nogil);
   m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)", nogil);
+  m.def("bf16_weight_linear", &bf16_weight_linear, "x @ w.T for fp32 x and a bf16 weight, in fp32 (CPU)", nogil);
   m.def("packed_linear", &packed_linear, "x @ w.T for a bf16 weight in inferlab's packed layout (CPU)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("fp32_out") = false, nogil);
   m.def("set_packed_prefetch_tokens", &set_packed_prefetch_tokens,
@@ -35,7 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("PACKED", ProjKind::PACKED)
       .value("INT8", ProjKind::INT8)
       .value("INT4", ProjKind::INT4)
-      .value("W8A8", ProjKind::W8A8);
+      .value("W8A8", ProjKind::W8A8)
+      .value("BF16", ProjKind::BF16);
   pybind11::class_<PlanLinear>(m, "PlanLinear", pybind11::module_local())
       .def(pybind11::init<>())
       .def_readwrite("kind", &PlanLinear::kind)
