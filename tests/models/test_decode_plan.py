@@ -117,11 +117,11 @@ def test_no_plan_where_the_kernels_do_not_apply(llm_fp32):
 
 
 @needs_int_kernels
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "bf16"])
 def test_fp32_plan_on_the_integer_kernels_is_token_identical_to_the_layers(quantization, monkeypatch):
     """fp32 activations (the default on a CPU without AVX-512 BF16) take the plan where every projection is
-    quantized; inferlab's integer kernels compute each row alone, so the steps are not padded to more rows either
-    (models/llama.py: decide_row_padding)."""
+    quantized (bf16 weights included); inferlab's kernels for them compute each row alone, so the steps are not
+    padded to more rows either (models/llama.py: decide_row_padding)."""
     llm = LLM(quantization=quantization, dtype="float32", kv_cache_memory=64 * 2**20)
     model = llm.engine.runner.model
     assert not model.pad_rows and model.model.decode_plan is not None

@@ -65,3 +65,27 @@ def test_greedy_64_tokens_identical_to_generate(llm_fp32, hf_model):
             ref = hf_generate(hf_model, ids, 64)
         assert out.token_ids == ref, f"diverged for {prompt!r}"
         assert len(out.token_ids) == 64 and out.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_bf16_weights_greedy_identical_to_transformers_on_the_rounded_weights(hf_model):
+    """--quantization bf16 (bf16 weights, fp32 activations: quant/bf16.py) against transformers' model with the
+    same rounding done to its weights, computing in fp32: prefills, batched and single decode steps."""
+    import copy
+
+    from inferlab import LLM
+
+    rounded = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for m in rounded.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                m.weight.copy_(m.weight.bfloat16().float())
+    llm = LLM(quantization="bf16", dtype="float32", kv_cache_memory=64 * 2**20)
+    prompts = PLAIN[:2] + CHAT[:2]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    together = llm.generate(prompts, sp)
+    alone = llm.generate(prompts[:1], sp)
+    for prompt, out in zip(prompts, together):
+        ref = hf_generate(rounded, _ids(llm, prompt), 32)
+        assert out.token_ids == ref, f"diverged for {prompt!r}"
+    assert alone[0].token_ids == together[0].token_ids

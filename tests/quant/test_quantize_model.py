@@ -10,7 +10,8 @@ from torch import nn
 
 from inferlab.models.config import ModelConfig
 from inferlab.models.llama import LlamaForCausalLM
-from inferlab.quant import (HEAD_MAX_KERNEL_TOKENS, Int4Linear, Int8Linear, QuantEmbedding, RawGGUFWeight,
+from inferlab.kernels import int_gemv_kernels
+from inferlab.quant import (HEAD_MAX_KERNEL_TOKENS, Bf16Linear, Int4Linear, Int8Linear, QuantEmbedding, RawGGUFWeight,
                             W8A8Linear, quantize_model)
 
 CFG = ModelConfig(architecture="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -66,6 +67,38 @@ def test_quantized_model_tracks_the_float_model(scheme, tol, dtype):
     rel = ((out - ref).norm() / ref.norm()).item()
     assert 0 < rel < tol, rel
     assert unique_bytes(net) < before * (0.6 if dtype == torch.bfloat16 else 0.3)
+
+
+def test_bf16_weights_compute_the_rounded_model_in_fp32():
+    """--quantization bf16 is the float32 model with its linear weights (and the tied table) rounded to bf16: the
+    oracle is that model, built by rounding the weights in place and left as nn.Linear layers (MKL's fp32 GEMM)."""
+    net, rounded = tiny_model(), tiny_model()
+    with torch.no_grad():
+        for name, m in rounded.named_modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(m.weight.bfloat16().float())  # the tied embedding shares lm_head's weight
+    ref = logits(rounded, IDS)
+    before = unique_bytes(net)
+    desc = quantize_model(net, "bf16")
+    assert desc.startswith("bf16: 8 linear layers quantized from float32") and "lm_head (tied to" in desc
+    assert isinstance(net.model.layers[1].mlp.down_proj, Bf16Linear) and isinstance(net.lm_head, Bf16Linear)
+    assert isinstance(net.model.embed_tokens, QuantEmbedding)
+    out = logits(net, IDS)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert not torch.equal(out, logits(tiny_model(), IDS))  # the rounding is real
+    assert unique_bytes(net) < before * 0.6
+    # inferlab's kernel computes a row alone: the fp32 model needs no row padding where it is vectorised
+    net.decide_row_padding()
+    assert net.pad_rows == (int_gemv_kernels() is None)
+
+
+def test_bf16_weights_under_bf16_activations_are_refused():
+    net = tiny_model(torch.bfloat16)
+    with pytest.raises(ValueError, match="--quantization bf16 keeps bf16 weights under float32 activations.*"
+                                         "this model runs in bfloat16: use --dtype float32"):
+        quantize_model(net, "bf16")
+    assert isinstance(net.lm_head, nn.Linear)  # refused before anything was replaced
 
 
 def test_embedding_reads_the_quantized_head():

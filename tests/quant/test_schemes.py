@@ -1,4 +1,4 @@
-"""int8 / int4 quantization on random matrices: error bounds, the packed layout, and the layer's forward."""
+"""int8 / int4 (and bf16 weights) on random matrices: error bounds, the packed layout, and the layer's forward."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inferlab.kernels import int_gemv_kernels
-from inferlab.quant import Int4Linear, Int8Linear
+from inferlab.quant import Bf16Linear, Int4Linear, Int8Linear
 from inferlab.quant.int4 import pack_int4, quantize_int4, unpack_int4
 from inferlab.quant.int8 import quantize_int8
 from inferlab.quant.linear import PACKED_MAX_KERNEL_TOKENS
@@ -181,12 +181,30 @@ def test_int8_falls_back_to_torchs_kernel_without_ours(monkeypatch):
 
 @pytest.mark.skipif(int_gemv_kernels() is None, reason="inferlab's integer kernels are not vectorised here")
 def test_integer_kernels_round_each_row_alone():
-    """What lets an fp32 model of int8/int4 layers skip the row padding MKL's sgemm needs (models/llama.py:
-    decide_row_padding): a row's result is the same bits at every step size the kernel takes."""
+    """What lets an fp32 model of int8/int4 (or bf16-weight) layers skip the row padding MKL's sgemm needs
+    (models/llama.py: decide_row_padding): a row's result is the same bits at every step size the kernel takes."""
     w = _weights(8, n=203)
     x = torch.randn(13, 256, generator=torch.Generator().manual_seed(8))
-    for layer in (Int8Linear.from_float(w), Int4Linear.from_float(w, 32)):
+    for layer in (Int8Linear.from_float(w), Int4Linear.from_float(w, 32), Bf16Linear.from_float(w)):
         assert layer.rounds_rows_alone()
         alone = torch.cat([layer(x[r:r + 1]) for r in range(13)])
         for n in range(2, 14):
             assert torch.equal(layer(x[:n]), alone[:n]), (layer.scheme, n)
+
+
+# Both sides of the kernel's 64-token limit; widths with and without a last part of fewer than 16 columns.
+@pytest.mark.parametrize("tokens", [1, 2, 3, 17, 64, 65, 120])
+@pytest.mark.parametrize("in_features", [256, 250])
+def test_bf16_weights_are_fp32_arithmetic_on_the_rounded_weights(tokens, in_features):
+    w = _weights(9, n=203)[:, :in_features]
+    layer = Bf16Linear.from_float(w)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight_bytes() == 203 * in_features * 2
+    x = torch.randn(tokens, in_features, generator=torch.Generator().manual_seed(tokens))
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (tokens, 203)
+    ref = x.double() @ w.bfloat16().double().T
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # fp32 sums of exact products
+    assert (y.double() - x.double() @ w.double().T).abs().max() > 1e-4 * ref.abs().max()  # the weights rounded
+    # bf16 activations multiply the weight as it is (the scheme is for fp32 ones; quantize_model refuses a bf16
+    # model), torch's own matmul
+    assert torch.equal(layer(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))

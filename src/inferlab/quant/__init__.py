@@ -1,4 +1,5 @@
-"""Weight-only quantization at load time: one module per scheme (int8.py, int4.py), GGUF blocks in gguf_q4.py.
+"""Weight-only quantization at load time: one module per scheme (int8.py, int4.py, w8a8.py, bf16.py), GGUF blocks
+in gguf_q4.py.
 
 `quantize_model` swaps every `nn.Linear` of a loaded model for the scheme's QuantLinear, in place. A tied LM head
 (`lm_head.weight is embed_tokens.weight`) is quantized once and the embedding then reads its rows from it
@@ -13,6 +14,7 @@ from collections.abc import Collection, Mapping
 import torch
 from torch import nn
 
+from inferlab.quant.bf16 import Bf16Linear
 from inferlab.quant.embedding import QuantEmbedding
 from inferlab.quant.gguf_q4 import RawGGUFWeight, dequantize_raw, q4_1_blocks, q4_k_groups
 from inferlab.quant.int4 import Int4Linear, check_int4_shape, pack_int4
@@ -20,13 +22,13 @@ from inferlab.quant.int8 import Int8Linear
 from inferlab.quant.linear import QuantLinear
 from inferlab.quant.w8a8 import W8A8Linear, check_w8a8_shape
 
-SCHEMES = ("none", "int8", "int4", "w8a8")
+SCHEMES = ("none", "int8", "int4", "w8a8", "bf16")
 # The tied embedding/LM head's scheme per model scheme. int4 keeps it int8, as llama.cpp's Q4_1 files keep it
 # Q8_0. Measured on SmolLM2-135M, corpus perplexity vs none (bf16) 10.615: int4 layers + int8 head 10.634
 # (+0.2%), int4 layers + int4 head 11.240 (+5.9%): the 4-bit head costs 30x more than all 4-bit layers together.
 # w8a8 keeps its own: 10.675 with the head in w8a8, 10.680 with it int8 weight-only, and at 64 rows a step its
 # kernel took the head from 6.3 to 3.1 ms (`benchmarks/step_profile.py`).
-HEAD_SCHEME = {"int8": "int8", "int4": "int8", "w8a8": "w8a8"}
+HEAD_SCHEME = {"int8": "int8", "int4": "int8", "w8a8": "w8a8", "bf16": "bf16"}
 
 # GGUF types that hold a weight in more than 4 bits. A quantized file that mixes widths (a Q4_K_M keeps some layers
 # Q5_0 or Q6_K) kept those wide on purpose, and --quantization int4 keeps them at int8 instead of cutting them to 4
@@ -39,8 +41,8 @@ WIDE_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8
 # the 49152x576 head writes a 56 MB temporary that no cache holds), further than the layers' (measured).
 HEAD_MAX_KERNEL_TOKENS = 24
 
-__all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "WIDE_GGUF_TYPES", "Int4Linear", "Int8Linear",
-           "QuantEmbedding", "QuantLinear", "RawGGUFWeight", "W8A8Linear", "quantize_model", "quantize_weight"]
+__all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "WIDE_GGUF_TYPES", "Bf16Linear", "Int4Linear",
+           "Int8Linear", "QuantEmbedding", "QuantLinear", "RawGGUFWeight", "W8A8Linear", "quantize_model", "quantize_weight"]
 
 
 def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
@@ -66,6 +68,8 @@ def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
         return Int4Linear.from_float(src, group_size), how
     if scheme == "w8a8":
         return W8A8Linear.from_float(src), how
+    if scheme == "bf16":
+        return Bf16Linear.from_float(src), how
     raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
 
@@ -85,7 +89,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
         return "none (float weights)"
     head_scheme = head_scheme or HEAD_SCHEME[scheme]
     if head_scheme not in SCHEMES[1:]:
-        raise ValueError(f"unknown head scheme {head_scheme!r}; choose int8 or int4")
+        raise ValueError(f"unknown head scheme {head_scheme!r}; choose one of {', '.join(SCHEMES[1:])}")
     raw = raw or {}
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     biased = [n for n, m in linears if m.bias is not None]
@@ -93,6 +97,11 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
         raise ValueError(f"--quantization {scheme} needs bias-free linear layers (inferlab's int8/int4 kernels have "
                          f"no bias), but {biased[0]} has a bias ({len(biased)} layers do, e.g. Qwen2's Q/K/V "
                          f"projections); serve this model with --quantization none")
+    if scheme == "bf16" and any(m.weight.dtype != torch.float32 for _, m in linears):
+        dtype = next(m.weight.dtype for _, m in linears if m.weight.dtype != torch.float32)
+        raise ValueError(f"--quantization bf16 keeps bf16 weights under float32 activations (a CPU without bf16 "
+                         f"arithmetic), but this model runs in {str(dtype).removeprefix('torch.')}: use --dtype "
+                         f"float32, or --quantization none to serve its weights as they are")
     if scheme in ("int4", "w8a8"):  # fail before changing anything
         check = {"int4": lambda shape: check_int4_shape(shape, group_size), "w8a8": check_w8a8_shape}[scheme]
         for name, m in linears:
@@ -118,7 +127,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
             head_note = f"; {name} (tied to {tied_to}, which now reads its rows from it): {s}, {how}"
         else:
             layers[how if s == scheme else f"{how}, kept at {s} (the file holds it in more than 4 bits)"] += 1
-    g = f" group {group_size}" if scheme == "int4" else " per-channel"
+    g = f" group {group_size}" if scheme == "int4" else "" if scheme == "bf16" else " per-channel"
     body = ", ".join(f"{n} linear layers {how}" for how, n in layers.items())
     return (f"{scheme}{g}: {body}{head_note}; linear weights {float_bytes / 2**20:.1f} MiB -> "
             f"{quant_bytes / 2**20:.1f} MiB")
