@@ -63,7 +63,7 @@ def test_seed_figures_for_a_7b_model():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("scheme", ["none", "int8", "int4", "w8a8"])
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4", "w8a8", "bf16"])
 def test_weight_memory_equals_the_engine_quantized_model(tied, scheme):
     """The engine's own quantizer is the oracle: build a small Llama, quantize it as the engine does, count its
     bytes (parameters and quantized buffers, each tensor once; the rotary tables are not weights)."""
@@ -74,11 +74,13 @@ def test_weight_memory_equals_the_engine_quantized_model(tied, scheme):
 
     cfg = ModelConfig("llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=tied)
-    net = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    dtype = "fp32" if scheme == "bf16" else "bf16"  # bf16 weights are for fp32 activations
+    net = LlamaForCausalLM(cfg).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
     quantize_model(net, scheme, 32)
     tensors = {id(t): t for n, t in [*net.named_parameters(), *net.named_buffers()] if "rotary" not in n}
     actual = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert weight_memory(ModelSpec.from_model_config(cfg), quant_scheme(scheme, group_size=32), "bf16").total == actual
+    spec = ModelSpec.from_model_config(cfg)
+    assert weight_memory(spec, quant_scheme(scheme, dtype, group_size=32), dtype).total == actual
 
 
 def test_kv_bytes_per_token():
@@ -231,6 +233,11 @@ def test_resolve_by_path_and_errors(tmp_path):
         fit(spec, H100, FitRequest(concurrency=0))
     with pytest.raises(ValueError, match="unknown quantization"):
         fit(spec, H100, FitRequest(quantization="int3"))
+    with pytest.raises(ValueError, match="quantization bf16 keeps bf16 weights under fp32 activations"):
+        fit(spec, H100, FitRequest(quantization="bf16", dtype="bf16"))
+    assert "bf16" not in fit(spec, H100, FitRequest()).weights  # only beside fp32 activations
+    fp32 = fit(spec, H100, FitRequest(dtype="fp32"))
+    assert fp32.weights["bf16"].total < fp32.weights["none"].total
 
 
 def test_cli_json_and_table(capsys):

@@ -16,7 +16,7 @@ from inferlab.lab.hardware import Hardware
 from inferlab.lab.model_presets import ModelSpec
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "int8": 1, "fp8": 1}
-QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "bf16")
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -36,6 +36,8 @@ class QuantScheme:
     def describe(self) -> str:
         if self.name == "none":
             return f"{self.bits}-bit floats"
+        if self.name == "bf16":
+            return "bf16 weights under fp32 activations"
         per = "output channel" if self.group_size == 0 else f"group of {self.group_size} weights"
         extra = "scale and zero point" if self.zero_point else "scale"
         return f"{self.bits}-bit weights + a {8 * self.scale_bytes}-bit {extra} per {per}"
@@ -46,6 +48,8 @@ def quant_scheme(name: str, dtype: str = "bf16", group_size: int = 32) -> QuantS
         return QuantScheme("none", 8 * DTYPE_BYTES[dtype])
     if name in ("int8", "w8a8"):  # the same weights; w8a8 also rounds the activations (to compute in int8)
         return QuantScheme(name, 8, 0)
+    if name == "bf16":
+        return QuantScheme("bf16", 16, scale_bytes=0)
     if name == "int4":
         if group_size < 1:
             raise ValueError(f"int4 group size must be a positive number of weights, got {group_size}")
@@ -73,6 +77,10 @@ def weight_memory(spec: ModelSpec, scheme: QuantScheme, dtype: str = "bf16") -> 
     if scheme.name == "none":
         return WeightMemory("none", scheme.describe(), q * float_bytes, 0, (spec.num_params - q) * float_bytes,
                             q * float_bytes)
+    if scheme.name == "bf16":  # no scales; a tied table is rounded to bf16 with the rest (quant/bf16.py)
+        table = spec.embedding_params if spec.tie_word_embeddings else 0
+        return WeightMemory("bf16", scheme.describe(), (q + table) * 2, 0,
+                            (spec.num_params - q - table) * float_bytes, q * 2)
     qbytes = math.ceil(q * scheme.bits / 8)
     per_group = scheme.scale_bytes * (2 if scheme.zero_point else 1)
     sbytes = (spec.quantizable_out_features * per_group if scheme.group_size == 0
@@ -115,6 +123,9 @@ class FitRequest:
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of: {', '.join(QUANTIZATIONS)}")
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of: {', '.join(FLOAT_DTYPES)}")
+        if self.quantization == "bf16" and self.dtype != "fp32":
+            raise ValueError(f"quantization bf16 keeps bf16 weights under fp32 activations; with dtype {self.dtype} "
+                             f"use quantization none")
         if self.kv_dtype is not None and self.kv_dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
 
@@ -302,7 +313,8 @@ def fit(spec: ModelSpec, hw: Hardware, req: FitRequest | None = None) -> FitRepo
     req = req or FitRequest()
     req.validate()
     notes: list[str] = []
-    weights = {q: weight_memory(spec, quant_scheme(q, req.dtype, req.quant_group_size), req.dtype) for q in QUANTIZATIONS}
+    weights = {q: weight_memory(spec, quant_scheme(q, req.dtype, req.quant_group_size), req.dtype)
+               for q in QUANTIZATIONS if q != "bf16" or req.dtype == "fp32"}
     w = weights[req.quantization]
     kv_dtype = req.kv_dtype or req.dtype
     kv_db = DTYPE_BYTES[kv_dtype]
