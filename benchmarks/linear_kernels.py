@@ -24,11 +24,12 @@ sums), the row says by how much they differ, and more than 1% of the largest out
 
 `--fp32` times the paths of a CPU without AVX-512 BF16 (an AVX2-only EPYC), where the engine runs in fp32: F.linear
 (MKL's sgemm), oneDNN's packed fp32 GEMM (layers/packed_linear.py: onednn_fp32_packing), inferlab's int4 and int8
-kernels (their AVX2 builds there), torch's int8 kernel (_weight_int8pack_mm, bf16 activations: the int8 mode's
-stand-in where ours is not vectorised), and int4 and int8 dequantized then F.linear (the path past a kernel's step
-size where no packed copy is kept, and everywhere without a kernel). The
-last columns say whether a row's result is the same bits at `rows` rows as alone, for F.linear and oneDNN (what
-models/llama.py's row padding depends on).
+kernels (their AVX2 builds there), inferlab's kernel for bf16 weights and fp32 activations (`--quantization bf16`)
+and those weights widened to fp32 then F.linear, torch's int8 kernel (_weight_int8pack_mm, bf16 activations: the
+int8 mode's stand-in where ours is not vectorised), and int4 and int8 dequantized then F.linear (the path past a
+kernel's step size where no packed copy is kept, and everywhere without a kernel). The last columns say whether a
+row's result is the same bits at `rows` rows as alone, for F.linear and oneDNN (what models/llama.py's row padding
+depends on).
 
     python benchmarks/linear_kernels.py --fp32 --rows 1 2 4 16 64 256
 
@@ -157,6 +158,7 @@ def fp32_paths(rows: list[int], layers: int) -> None:
     from inferlab.kernels import int_gemv_kernels
     from inferlab.layers.packed_linear import pack_onednn
     from inferlab.quant.int4 import Int4Linear
+    from inferlab.quant.int8 import Int8Linear
 
     kernels = int_gemv_kernels()
     g = torch.Generator().manual_seed(0)
@@ -167,23 +169,28 @@ def fp32_paths(rows: list[int], layers: int) -> None:
     q8 = [quantize_int8(w) for w in weights]
     nbytes, q4_bytes = sum(w.numel() * 4 for w in weights), sum(q.numel() + 2 * d.numel() * 2 for q, d, _ in q4)
     q8_bytes = sum(q.numel() for q, _ in q8)
+    q8_layers = [Int8Linear(q, s) for q, s in q8]
+    bf16 = [w.bfloat16() for w in weights]
     cases = {
         "F.linear": lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights],
         "oneDNN packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                      for w, p in zip(weights, onednn)],
+        "bf16 ours": lambda xs: [kernels.bf16_weight_linear(xs[w.shape[1]], w) for w in bf16],
+        "bf16 widened": lambda xs: [F.linear(xs[w.shape[1]], w.float()) for w in bf16],
         "int4 ours": lambda xs: [kernels.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32) for q, d, mn in q4],
         "int4 dequantized": lambda xs: [F.linear(xs[lin.in_features], lin.dequantize()) for lin in q4_layers],
         "int8 ours": lambda xs: [kernels.int8_linear(xs[q.shape[1]], q, s) for q, s in q8],
         "int8 torch": lambda xs: [torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]].bfloat16(), q, s) for q, s in q8],
-        "int8 dequantized": lambda xs: [F.linear(xs[q.shape[1]], q.float() * s.float()[:, None]) for q, s in q8],
+        "int8 dequantized": lambda xs: [F.linear(xs[lin.in_features], lin.dequantize()) for lin in q8_layers],
     }
     if kernels is None:
-        for name in ("int4 ours", "int8 ours"):
+        for name in ("int4 ours", "int8 ours", "bf16 ours"):
             del cases[name]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {layers} layers' matmuls a pass "
           f"(SmolLM2-135M's shapes), fp32 activations; best of 5 passes; inferlab's integer kernels: "
           f"{'vectorised' if kernels is not None else 'not vectorised here (left out)'}")
-    bytes_of = {"F.linear": nbytes, "oneDNN packed": nbytes, "int4 ours": q4_bytes, "int4 dequantized": q4_bytes,
+    bytes_of = {"F.linear": nbytes, "oneDNN packed": nbytes, "bf16 ours": nbytes // 2, "bf16 widened": nbytes // 2,
+                "int4 ours": q4_bytes, "int4 dequantized": q4_bytes,
                 "int8 ours": q8_bytes, "int8 torch": q8_bytes, "int8 dequantized": q8_bytes}
     print("| rows | " + " | ".join(f"{name} ms (GB/s)" for name in cases)
           + " | row alone = in step: F.linear, oneDNN |")
