@@ -171,11 +171,13 @@ def fp32_paths(rows: list[int], layers: int) -> None:
     q8_bytes = sum(q.numel() for q, _ in q8)
     q8_layers = [Int8Linear(q, s) for q, s in q8]
     bf16 = [w.bfloat16() for w in weights]
+    bf16_packed = [pack_bf16(w) for w in bf16]
     cases = {
         "F.linear": lambda xs: [F.linear(xs[w.shape[1]], w) for w in weights],
         "oneDNN packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                      for w, p in zip(weights, onednn)],
-        "bf16 ours": lambda xs: [kernels.bf16_weight_linear(xs[w.shape[1]], w) for w in bf16],
+        "bf16 ours": lambda xs: [kernels.packed_linear_fp32(xs[w.shape[1]], p, w.shape[0])
+                                 for w, p in zip(bf16, bf16_packed)],
         "bf16 widened": lambda xs: [F.linear(xs[w.shape[1]], w.float()) for w in bf16],
         "int4 ours": lambda xs: [kernels.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32) for q, d, mn in q4],
         "int4 dequantized": lambda xs: [F.linear(xs[lin.in_features], lin.dequantize()) for lin in q4_layers],

@@ -192,13 +192,17 @@ def test_integer_kernels_round_each_row_alone():
             assert torch.equal(layer(x[:n]), alone[:n]), (layer.scheme, n)
 
 
-# Both sides of the kernel's 64-token limit; widths with and without a last part of fewer than 16 columns.
-@pytest.mark.parametrize("tokens", [1, 2, 3, 17, 64, 65, 120])
+# Steps of 1 token (a whole tile at a time), 2-4 (one block), 5-9 (blocks and a rest) and many; 203 outputs (a
+# last tile of 11), inputs a multiple of 16 and not.
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 9, 120])
 @pytest.mark.parametrize("in_features", [256, 250])
 def test_bf16_weights_are_fp32_arithmetic_on_the_rounded_weights(tokens, in_features):
     w = _weights(9, n=203)[:, :in_features]
     layer = Bf16Linear.from_float(w)
-    assert layer.weight.dtype == torch.bfloat16 and layer.weight_bytes() == 203 * in_features * 2
+    assert layer.qweight.dtype == torch.bfloat16 and layer.weight_bytes() == 224 * in_features * 2  # 7 tiles of 32
+    assert torch.equal(layer.dequantize(), w.bfloat16().float())
+    rows = torch.tensor([0, 31, 32, 202, 7])
+    assert torch.equal(layer.dequantize_rows(rows), w.bfloat16().float()[rows])
     x = torch.randn(tokens, in_features, generator=torch.Generator().manual_seed(tokens))
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (tokens, 203)
@@ -208,3 +212,8 @@ def test_bf16_weights_are_fp32_arithmetic_on_the_rounded_weights(tokens, in_feat
     # bf16 activations multiply the weight as it is (the scheme is for fp32 ones; quantize_model refuses a bf16
     # model), torch's own matmul
     assert torch.equal(layer(x.bfloat16()), torch.nn.functional.linear(x.bfloat16(), w.bfloat16()))
+
+
+def test_bf16_weights_need_an_even_width():
+    with pytest.raises(ValueError, match="bf16 weights need an even number of inputs"):
+        Bf16Linear.from_float(torch.randn(8, 7))

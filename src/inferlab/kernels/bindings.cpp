@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether int8_linear and int4_linear at group size 32 were built vectorised (AVX-512 BF16 or AVX2)");
   m.def("int8_linear", &int8_linear, "x @ (q * scale).T for int8 weights, per-row scales (CPU)", nogil);
   m.def("int4_linear", &int4_linear, "x @ (d * q + m).T for int4 weights in Q4_1 layout (CPU)", nogil);
-  m.def("bf16_weight_linear", &bf16_weight_linear, "x @ w.T for fp32 x and a bf16 weight, in fp32 (CPU)", nogil);
+  m.def("packed_linear_fp32", &packed_linear_fp32,
+        "x @ w.T for fp32 x and a bf16 weight in inferlab's packed layout, in fp32 (CPU; AVX2 or scalar)", nogil);
   m.def("packed_linear", &packed_linear, "x @ w.T for a bf16 weight in inferlab's packed layout (CPU)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("fp32_out") = false, nogil);
   m.def("set_packed_prefetch_tokens", &set_packed_prefetch_tokens,

@@ -16,7 +16,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w);
 //   INT8 (quant/int8.py: a = q, b = scales) and INT4 (quant/int4.py: a = q, b = d, c = m as int16 bits, group):
 //   inferlab's kernel for steps of up to kernel_max_tokens rows, the packed bf16 copy of the dequantized weight
 //   beyond (where there is one; else the plan only runs steps the kernel takes), as QuantLinear.forward does.
-//   BF16 (quant/bf16.py: a = the bf16 weight; fp32 activations): as INT8, with no packed copy.
+//   BF16 (quant/bf16.py: a = the bf16 weight in packed_linear's layout; fp32 activations): packed_linear_fp32 up to
+//   kernel_max_tokens rows, as INT8.
 //   W8A8 (quant/w8a8.py: a = the packed int8 weight, b = scales): w8a8_gemm.cpp's kernel at every step size.
 // Where the CPU has AMX, `onednn` holds oneDNN's pre-packed bf16 copy (layers/packed_linear.py: onednn_min_rows),
 // which takes every dense step of onednn_min_tokens rows or more instead of `packed`.
@@ -36,7 +37,7 @@ struct PlanLinear {
     if (kind == ProjKind::W8A8) return w8a8_linear(x, a, b, out_features);
     if (kind != ProjKind::PACKED && T <= kernel_max_tokens) {
       if (kind == ProjKind::INT8) return int8_linear(x, a, b);
-      if (kind == ProjKind::BF16) return bf16_weight_linear(x, a);
+      if (kind == ProjKind::BF16) return packed_linear_fp32(x, a, out_features);
       return int4_linear(x, a, b, c, group);
     }
     if (takes_onednn(T)) return onednn_linear(x, onednn);

@@ -120,12 +120,6 @@ void for_each_token_block(int64_t M, const Tile& tile) {
 }
 
 inline float fp16_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // The int8 kernel's activations: per token, int16 of at most 14 bits and a sign (kActMax), so an int32 lane, which
 // sums 2 * K / 32 products of at most 127 * 16383, cannot overflow below K = 16,384; rows zero-padded to Kp (a
@@ -189,15 +183,12 @@ inline void int8_tile(const int16_t* a, int64_t Kp, int64_t K, const int8_t* w, 
 }
 #endif
 
-#if INFERLAB_GEMV_SIMD || INFERLAB_GEMV_AVX2
+#if INFERLAB_GEMV_AVX2
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-#endif
-
-#if INFERLAB_GEMV_AVX2
 
 inline int32_t hsum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -715,83 +706,6 @@ void int4_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const uin
   });
 }
 
-// ------------------------------------------------------------------------------------------ bf16 weights, fp32 x
-
-// bf16 weights with fp32 activations (quant/bf16.py), for a CPU that cannot multiply bf16 (AVX2 only): a bf16 value
-// is the top half of an fp32 one, so 16 weights loaded as eight 32-bit lanes give the even columns' fp32 values by a
-// shift and the odd columns' by a mask, two plain integer ops, and fp32 FMAs take it from there. The activations are
-// laid out to match once per call (xe: per 16 columns, the 8 even ones, then the 8 odd ones). Each row and token
-// sums its products in eight fp32 lanes in a fixed order, then across them, whatever else shares the step.
-template <int MB, int NB>
-inline void bf16w_tile(const float* xe, int64_t K, const uint16_t* w, float* out /*[MB][NB]*/) {
-  const int64_t K16 = K / 16 * 16;
-#if INFERLAB_GEMV_SIMD || INFERLAB_GEMV_AVX2
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K16; k += 16) {
-    __m256 xv[MB][2];
-    for (int m = 0; m < MB; ++m) {
-      xv[m][0] = _mm256_loadu_ps(xe + m * K + k);
-      xv[m][1] = _mm256_loadu_ps(xe + m * K + k + 8);
-    }
-    for (int n = 0; n < NB; ++n) {
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
-      for (int m = 0; m < MB; ++m)
-        acc[m][n] = _mm256_fmadd_ps(odd, xv[m][1], _mm256_fmadd_ps(even, xv[m][0], acc[m][n]));
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m * NB + n] = hsum8(acc[m][n]);
-#else
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) {
-      float lanes[8] = {};
-      for (int64_t k = 0; k < K16; k += 16)
-        for (int j = 0; j < 8; ++j) {
-          lanes[j] = std::fma(bf16_to_float(w[n * K + k + 2 * j]), xe[m * K + k + j], lanes[j]);
-          lanes[j] = std::fma(bf16_to_float(w[n * K + k + 2 * j + 1]), xe[m * K + k + 8 + j], lanes[j]);
-        }
-      float s = 0.f;
-      for (float v : lanes) s += v;
-      out[m * NB + n] = s;
-    }
-#endif
-  for (int64_t k = K16; k < K; ++k)  // the columns past the last multiple of 16, in their own order
-    for (int m = 0; m < MB; ++m)
-      for (int n = 0; n < NB; ++n)
-        out[m * NB + n] = std::fma(bf16_to_float(w[n * K + k]), xe[m * K + k], out[m * NB + n]);
-}
-
-// 4 rows x 2 tokens: 8 accumulators, 4 activation vectors and a row's two widened halves fit AVX2's 16 registers.
-constexpr int64_t kBf16wTokenBlock = 2;
-
-void bf16w_linear_impl(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N) {
-  std::vector<float> xe(M * K);
-  const int64_t K16 = K / 16 * 16;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K16; k += 16)
-      for (int j = 0; j < 8; ++j) {
-        xe[m * K + k + j] = x[m * K + k + 2 * j];
-        xe[m * K + k + 8 + j] = x[m * K + k + 2 * j + 1];
-      }
-    for (int64_t k = K16; k < K; ++k) xe[m * K + k] = x[m * K + k];
-  }
-  for_each_tile(N, K * 2, w, [&](int64_t n0, auto nb) {
-    constexpr int NB = decltype(nb)::value;
-    float out[kBf16wTokenBlock * NB];
-    for_each_token_block<kBf16wTokenBlock>(M, [&](int64_t m0, auto mb) {
-      constexpr int MB = decltype(mb)::value;
-      bf16w_tile<MB, NB>(xe.data() + m0 * K, K, w + n0 * K, out);
-      for (int m = 0; m < MB; ++m)
-        for (int n = 0; n < NB; ++n) y[(m0 + m) * N + n0 + n] = out[m * NB + n];
-    });
-  });
-}
-
 }  // namespace
 
 bool gemv_simd() { return INFERLAB_GEMV_SIMD; }
@@ -856,18 +770,5 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
     TORCH_CHECK(x.scalar_type() == torch::kFloat, "float32 or bfloat16 only");
     run(x.data_ptr<float>(), y.data_ptr<float>());
   }
-  return y;
-}
-
-// x [M, K] fp32; weight bf16 [N, K] -> y [M, N] fp32.
-torch::Tensor bf16_weight_linear(torch::Tensor x, torch::Tensor weight) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat, "x must be float32");
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "weight must be contiguous bf16");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  bf16w_linear_impl(x.data_ptr<float>(), static_cast<const uint16_t*>(weight.data_ptr()), y.data_ptr<float>(), M, K,
-                    N);
   return y;
 }

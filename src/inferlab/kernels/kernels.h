@@ -19,7 +19,7 @@ bool int_gemv_simd();
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor mins,
                           int64_t group_size);
-torch::Tensor bf16_weight_linear(torch::Tensor x, torch::Tensor weight);
+torch::Tensor packed_linear_fp32(torch::Tensor x, torch::Tensor packed, int64_t N);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bool fp32_out);
 void set_packed_prefetch_tokens(int64_t n);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N);

@@ -35,7 +35,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -121,6 +128,103 @@ void run(const at::BFloat16* xp, const torch::Tensor& packed, Out* yp, int64_t M
 }
 #endif
 
+// ------------------------------------------------------------------------------------------- fp32 activations
+
+// The same layout under fp32 activations (quant/bf16.py), for a CPU without bf16 arithmetic (AVX2). A 256-bit load
+// of half a line holds 8 outputs' weights for inputs k and k + 1 side by side; a bf16 value is the top half of an
+// fp32 one, so a shift gives the k weights in fp32 and a mask the k + 1 ones, each multiplied by a broadcast
+// activation into 8 fp32 sums. One token takes a whole tile at a time (4 sums: the stream of weights in order);
+// more tokens take one line (16 outputs) at a time in blocks of up to 4 tokens (8 sums, 4 weights and 2
+// activations: 14 of AVX2's 16 registers), the line's weights coming back from the caches for each block. Every
+// output adds its products in one order, k then k + 1 a pair, one FMA each, whatever the block: a row comes out
+// the same bits at every step size, and the scalar build (no AVX2) computes the same bits slowly.
+constexpr int64_t kFp32Tokens = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Tokens [0, MB) x NV vectors of 8 outputs from w (a tile's first line, or its second). `valid`: the outputs from
+// y on that exist (the last tile's rows past N are padding).
+template <int MB, int NV>
+inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t valid) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 acc[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    const uint16_t* pair = w + kp * 2 * kTile;
+    __m256 wk[NV], wk1[NV];
+    for (int v = 0; v < NV; ++v) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + v * 16));
+      wk[v] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+      wk1[v] = _mm256_castsi256_ps(_mm256_and_si256(p, high));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m256 x0 = _mm256_broadcast_ss(x + m * K + 2 * kp), x1 = _mm256_broadcast_ss(x + m * K + 2 * kp + 1);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(wk1[v], x1, _mm256_fmadd_ps(wk[v], x0, acc[m][v]));
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t left = valid - v * 8;
+      if (left >= 8) {
+        _mm256_storeu_ps(y + m * N + v * 8, acc[m][v]);
+      } else if (left > 0) {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, acc[m][v]);
+        std::memcpy(y + m * N + v * 8, tail, left * sizeof(float));
+      }
+    }
+}
+#else
+template <int MB, int NV>
+inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t valid) {
+  const auto* bf16 = reinterpret_cast<const at::BFloat16*>(w);
+  for (int m = 0; m < MB; ++m)
+    for (int64_t o = 0; o < std::min<int64_t>(valid, NV * 8); ++o) {
+      // output o of this pass: lane o % 8 of vector o / 8, whose pairs sit at 16 * (o / 8) + 2 * (o % 8)
+      const int64_t at = 16 * (o / 8) + 2 * (o % 8);
+      float acc = 0.f;
+      for (int64_t kp = 0; kp < K / 2; ++kp) {
+        acc = std::fma(inferlab::load(bf16, kp * 2 * kTile + at), x[m * K + 2 * kp], acc);
+        acc = std::fma(inferlab::load(bf16, kp * 2 * kTile + at + 1), x[m * K + 2 * kp + 1], acc);
+      }
+      y[m * N + o] = acc;
+    }
+}
+#endif
+
+template <int NV>
+void fp32_blocks(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t valid) {
+  for (int64_t m0 = 0; m0 < M; m0 += kFp32Tokens) {
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    switch (std::min(kFp32Tokens, M - m0)) {
+      case 1: fp32_tile<1, NV>(xm, K, w, ym, N, valid); break;
+      case 2: fp32_tile<2, NV>(xm, K, w, ym, N, valid); break;
+      case 3: fp32_tile<3, NV>(xm, K, w, ym, N, valid); break;
+      default: fp32_tile<4, NV>(xm, K, w, ym, N, valid); break;
+    }
+  }
+}
+
+void run_fp32(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t tiles) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* wt = w + t * K * kTile;
+      const int64_t left = N - t * kTile;
+      if (M <= 2) {
+        if (M == 1) {
+          fp32_tile<1, 4>(x, K, wt, y + t * kTile, N, left);
+        } else {
+          fp32_tile<2, 4>(x, K, wt, y + t * kTile, N, left);
+        }
+        continue;
+      }
+      for (int64_t j = 0; j < kTileBlocks && left > j * kBlock; ++j)
+        fp32_blocks<2>(x, M, K, wt + j * 2 * kBlock, y + t * kTile + j * kBlock, N, left - j * kBlock);
+    }
+  });
+}
+
 }  // namespace
 
 void set_packed_prefetch_tokens(int64_t n) {
@@ -152,3 +256,18 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bo
   return y;
 }
 
+// x [M, K] fp32; packed [ceil(N / 32), K / 2, 32, 2] bf16 from pack_bf16 -> y [M, N] fp32.
+torch::Tensor packed_linear_fp32(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kTile && packed.size(3) == 2,
+              "packed must be a contiguous bfloat16 [N / 32, K / 2, 32, 2] from pack_bf16");
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K && (N + kTile - 1) / kTile == tiles, "x is [", M, ", ", K,
+              "] but the packed weight holds ", tiles * kTile, " x ", packed.size(1) * 2, " for ", N, " outputs");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  run_fp32(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+           y.data_ptr<float>(), M, K, N, tiles);
+  return y;
+}

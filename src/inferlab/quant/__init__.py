@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping
 import torch
 from torch import nn
 
-from inferlab.quant.bf16 import Bf16Linear
+from inferlab.quant.bf16 import Bf16Linear, check_bf16_shape
 from inferlab.quant.embedding import QuantEmbedding
 from inferlab.quant.gguf_q4 import RawGGUFWeight, dequantize_raw, q4_1_blocks, q4_k_groups
 from inferlab.quant.int4 import Int4Linear, check_int4_shape, pack_int4
@@ -93,17 +93,18 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
     raw = raw or {}
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     biased = [n for n, m in linears if m.bias is not None]
-    if biased:  # fail before changing anything
+    if biased and scheme != "bf16":  # fail before changing anything
         raise ValueError(f"--quantization {scheme} needs bias-free linear layers (inferlab's int8/int4 kernels have "
                          f"no bias), but {biased[0]} has a bias ({len(biased)} layers do, e.g. Qwen2's Q/K/V "
-                         f"projections); serve this model with --quantization none")
+                         f"projections); serve this model with --quantization none (or bf16, under float32)")
     if scheme == "bf16" and any(m.weight.dtype != torch.float32 for _, m in linears):
         dtype = next(m.weight.dtype for _, m in linears if m.weight.dtype != torch.float32)
         raise ValueError(f"--quantization bf16 keeps bf16 weights under float32 activations (a CPU without bf16 "
                          f"arithmetic), but this model runs in {str(dtype).removeprefix('torch.')}: use --dtype "
                          f"float32, or --quantization none to serve its weights as they are")
-    if scheme in ("int4", "w8a8"):  # fail before changing anything
-        check = {"int4": lambda shape: check_int4_shape(shape, group_size), "w8a8": check_w8a8_shape}[scheme]
+    if scheme in ("int4", "w8a8", "bf16"):  # fail before changing anything
+        check = {"int4": lambda shape: check_int4_shape(shape, group_size), "w8a8": check_w8a8_shape,
+                 "bf16": check_bf16_shape}[scheme]
         for name, m in linears:
             try:
                 check(tuple(m.weight.shape))
@@ -118,6 +119,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
         tied_to = embeddings.get(id(lin.weight))
         s = head_scheme if tied_to is not None else "int8" if scheme == "int4" and name in keep_int8 else scheme
         q, how = quantize_weight(lin.weight.detach(), s, group_size, raw.get(name))
+        if lin.bias is not None:
+            q.bias = lin.bias.detach()  # bf16 only (the others refused biased layers above)
         q.to(lin.weight.device)
         _replace(model, name, q)
         quant_bytes += q.weight_bytes()
