@@ -69,8 +69,8 @@ def main() -> None:
     timed(eng.runner.model, "compute_logits", "logits")
     timed(eng, "sampler", "sampler")
     timed(eng, "_append_tokens", "append")
-    print(f"{eng.model_name}: {torch.get_num_threads()} threads, bf16, context {args.context}, temperature "
-          f"{args.temperature}, quantization {eng.quant_path}")
+    print(f"{eng.model_name}: {torch.get_num_threads()} threads, {str(eng.dtype).removeprefix('torch.')}, context "
+          f"{args.context}, temperature {args.temperature}, quantization {eng.quant_path}")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 16, ignore_eos=True)
     for b in args.batches:
