@@ -134,6 +134,30 @@ def test_quantization_refuses_biased_layers_and_serves_qwen3(built):
     torch.testing.assert_close(ours, ref_lp, rtol=0.05, atol=0.5)
 
 
+def test_bf16_weights_serve_biased_qwen2_as_transformers_does_on_the_rounded_weights(built):
+    """--quantization bf16 (what auto picks on a CPU without AVX-512 BF16) keeps Qwen2's Q/K/V biases: the oracle
+    is transformers' model with its weights rounded to bf16, biases as they are, computing in fp32."""
+    import copy
+
+    models, _ = built
+    hf, folder, _ = models["qwen2"]
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for m in rounded.modules():
+            if isinstance(m, torch.nn.Linear):  # the head too; this Qwen2's embedding is untied: it stays fp32
+                m.weight.copy_(m.weight.bfloat16().float())
+    llm = _llm(folder, quantization="bf16")
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert type(qkv).__name__ == "Bf16Linear" and qkv.bias is not None and qkv.qweight.dtype == torch.bfloat16
+    ids = [llm.engine.tokenize_prompt(p)[0] for p in PROMPTS]
+    with torch.no_grad():
+        ref = rounded(torch.tensor([ids[2]])).logits[0].float().log_softmax(-1)
+    ref_lp = ref[:-1].gather(1, torch.tensor(ids[2][1:])[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(llm.score(ids[2])), ref_lp, atol=1e-3, rtol=1e-4)
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == [hf_generate(rounded, x, N) for x in ids]
+
+
 def test_gemma3_hf_folder_matches_transformers(tmp_path):
     """Gemma 3 from a Hugging Face folder (config.json: Gemma3ForCausalLM; norm weights stored as the w of (1 + w),
     which the loader turns into 1 + w), tiny and random (tiny_models.hf_config: a query scale other than head_dim,

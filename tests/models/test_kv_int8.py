@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inferlab import LLM, SamplingParams
-from inferlab.kernels import cpu_kernels, gemv_kernels
+from inferlab.kernels import cpu_kernels, gemv_kernels, int_gemv_kernels
 from inferlab.layers import kv_int8
 
 TEXT = ("The lighthouse on Grey Point had been automatic for eleven years, but nobody had told the lighthouse "
@@ -140,8 +140,11 @@ def test_bundled_model_on_an_int8_pool_tracks_float32(hf_model):
     llm = LLM(kv_cache_dtype="int8", kv_cache_memory=32 * 2**20)
     eng = llm.engine
     assert eng.runner.kv_cache.dtype == torch.int8
-    # The plan runs where inferlab's kernels are vectorised (AVX-512 BF16); elsewhere the layers, in fp32.
-    assert (eng.runner.model.model.decode_plan is not None) == (gemv_kernels() is not None)
+    # The plan runs where inferlab's kernels take every projection: bf16 on AVX-512 BF16, or the bf16 weights that
+    # --quantization auto keeps under fp32 activations on an AVX2 CPU; elsewhere the layers, in fp32.
+    bf16_weights = eng.dtype == torch.float32 and int_gemv_kernels() is not None
+    assert eng.config.quantization == ("bf16" if bf16_weights else "none")
+    assert (eng.runner.model.model.decode_plan is not None) == (gemv_kernels() is not None or bf16_weights)
     default = LLM(kv_cache_memory=32 * 2**20)
     # Same bytes of pool, ~1.9x the blocks where the default is bf16 (rows of 64 values are 128 bytes; int8 rows
     # 68), ~3.8x where it is fp32.

@@ -55,10 +55,11 @@ class EngineConfig:
         "--max-prefill-tokens-with-decodes, when given, bounds by a fixed count instead", type=_optional_float))
     max_model_len: int | None = field(default=None, metadata=_flag("context length (default: the model's)"))
     enable_prefix_caching: bool = field(default=True, metadata=_flag("reuse the KV blocks of shared prompt prefixes"))
-    quantization: str = field(default="none", metadata=_flag(
+    quantization: str = field(default="auto", metadata=_flag(
         "weight quantization; w8a8: int8 weights and int8 activations per 32 inputs (VNNI, CPU); bf16: bf16 "
-        "weights under float32 activations (a CPU without AVX-512 BF16)",
-        choices=["none", "int8", "int4", "w8a8", "bf16"]))
+        "weights under float32 activations; auto = bf16 where --dtype auto falls back to float32 (a CPU without "
+        "AVX-512 BF16, where inferlab's kernel for them is built: the weights the bfloat16 default serves), else none",
+        choices=["auto", "none", "int8", "int4", "w8a8", "bf16"]))
     quant_group_size: int = field(default=32, metadata=_flag("weights per quantization scale"))
     speculative: str | None = field(default=None, metadata=_flag("speculative decoding", choices=["ngram", "draft"]))
     num_speculative_tokens: int = field(default=4, metadata=_flag("proposals per speculative step"))

@@ -27,6 +27,7 @@ from inferlab.engine.sequence import Sequence
 from inferlab.engine.step_budget import PrefillBudget
 from inferlab.engine.step_trace import BatchShape, StepTrace
 from inferlab.engine.structured_output import StructuredOutput
+from inferlab.kernels import int_gemv_kernels
 from inferlab.layers import kv_int8
 from inferlab.layers.packed_linear import onednn_min_rows
 from inferlab.models.loader import load_model, load_tokenizer
@@ -53,6 +54,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
+def resolve_quantization(name: str, dtype_name: str, dtype: torch.dtype, device: torch.device) -> str:
+    """--quantization auto: bf16 weights under the fp32 activations that --dtype auto falls back to on a CPU without
+    AVX-512 BF16, where inferlab's kernel for them is vectorised (AVX2): the same weights the bf16 default serves
+    elsewhere, half the bytes a decode step streams in fp32 (quant/bf16.py). Else none; an explicit --dtype float32
+    keeps float32 weights."""
+    if name != "auto":
+        return name
+    if device.type == "cpu" and dtype_name == "auto" and dtype == torch.float32 and int_gemv_kernels() is not None:
+        return "bf16"
+    return "none"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -65,6 +78,9 @@ class LLMEngine:
         elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        quantization = resolve_quantization(config.quantization, config.dtype, self.dtype, self.device)
+        if quantization != config.quantization:  # the scheme served, for the log, /metrics and a draft model
+            self.config = config = replace(config, quantization=quantization)
         loaded = load_model(config.model, self.dtype, self.device, config.quantization, config.quant_group_size)
         self.model_config = cfg = loaded.config
         self.model_path = loaded.path
