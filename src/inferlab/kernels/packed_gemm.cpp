@@ -1,4 +1,5 @@
-// bf16 matrix products on inferlab's packed weight layout: one kernel for every step size on the CPU.
+// bf16 matrix products on inferlab's packed weight layout: one kernel for every step size on the CPU (and, at the
+// end, one for fp32 activations on a CPU without bf16 arithmetic).
 //
 // The layout (pack_bf16 in layers/packed_linear.py): W [N, K] as [ceil(N / 32), K / 2, 32, 2], i.e. for each tile of
 // 32 output rows, K / 2 runs of two 64-byte lines, each line holding 16 of those outputs' weights for inputs k and

@@ -12,7 +12,8 @@ the step's rows (`onednn_min_rows`).
 Elsewhere it is oneDNN's pre-packed layout (`torch.ops.mkldnn._reorder_linear_weight`), 1.25-1.6x faster than
 `F.linear` from 4 to 64 rows, with torch's own gemv (oneDNN bypassed) for 1-2 rows, which reads the plain weight.
 Where oneDNN cannot multiply bf16 either (no AVX-512: an AVX2-only EPYC, where the engine's default dtype is fp32),
-bf16 layers stay torch's, and fp32 layers take oneDNN's fp32 layout (onednn_fp32_packing).
+bf16 layers stay torch's, and fp32 layers take oneDNN's fp32 layout (onednn_fp32_packing); the default there keeps
+bf16 weights in inferlab's layout instead, under fp32 activations (quant/bf16.py).
 inferlab's layout only reorders the weight, so a model's layers drop their plain weight once packed into it and
 unpack it on the rare read off the hot path (`release_plain_weight`); a weight another module reads (a tied
 embedding) stays. So packing costs the model the copies beside the first: for SmolLM2-135M the tied head's 54 MiB

@@ -42,7 +42,8 @@ WIDE_GGUF_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8
 HEAD_MAX_KERNEL_TOKENS = 24
 
 __all__ = ["SCHEMES", "HEAD_SCHEME", "HEAD_MAX_KERNEL_TOKENS", "WIDE_GGUF_TYPES", "Bf16Linear", "Int4Linear",
-           "Int8Linear", "QuantEmbedding", "QuantLinear", "RawGGUFWeight", "W8A8Linear", "quantize_model", "quantize_weight"]
+           "Int8Linear", "QuantEmbedding", "QuantLinear", "RawGGUFWeight", "W8A8Linear", "quantize_model",
+           "quantize_weight"]
 
 
 def quantize_weight(w: torch.Tensor | None, scheme: str, group_size: int,
