@@ -111,9 +111,10 @@ def targets(port: int, extra: dict[str, list[str]], model: str = "smollm2") -> d
         "inferlab": Target("inferlab", serve + extra.get("inferlab", [])),
         "inferlab-int4": Target("inferlab-int4", serve + ["--quantization", "int4"] + extra.get("inferlab-int4", [])),
         "inferlab-int8": Target("inferlab-int8", serve + ["--quantization", "int8"] + extra.get("inferlab-int8", [])),
-        # bf16 weights under fp32 activations (quant/bf16.py): for a CPU without AVX-512 BF16
-        "inferlab-bf16-weights": Target("inferlab-bf16-weights", serve + ["--dtype", "float32", "--quantization",
-                                        "bf16"] + extra.get("inferlab-bf16-weights", [])),
+        # the weights as the dtype holds them: where the default takes bf16 weights under fp32 activations (a CPU
+        # without AVX-512 BF16: --quantization auto), this is fp32 weights; elsewhere the default itself
+        "inferlab-unquantized": Target("inferlab-unquantized", serve + ["--quantization", "none"]
+                                       + extra.get("inferlab-unquantized", [])),
         "inferlab-w8a8": Target("inferlab-w8a8", serve + ["--quantization", "w8a8"] + extra.get("inferlab-w8a8", [])),
         # no bound on the prefill beside running decodes (the default before engine/step_budget.py)
         "inferlab-unbounded": Target("inferlab-unbounded", serve + ["--decode-stall-ratio", "none"]
