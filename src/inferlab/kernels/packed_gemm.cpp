@@ -226,6 +226,17 @@ void run_fp32(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K,
   });
 }
 
+// packed as pack_bf16 lays out a weight of N outputs and x's inputs.
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kTile && packed.size(3) == 2,
+              "packed must be a contiguous bfloat16 [N / 32, K / 2, 32, 2] from pack_bf16");
+  const int64_t tiles = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1) && (N + kTile - 1) / kTile == tiles, "x is [", x.size(0), ", ",
+              x.size(1), "] but the packed weight holds ", tiles * kTile, " x ", packed.size(1) * 2, " for ", N,
+              " outputs");
+}
+
 }  // namespace
 
 void set_packed_prefetch_tokens(int64_t n) {
@@ -237,15 +248,11 @@ void set_packed_prefetch_tokens(int64_t n) {
 // sums themselves with fp32_out (logits: no bf16 rounding and no separate conversion pass).
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bool fp32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be [M, K] bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kTile && packed.size(3) == 2,
-              "packed must be a contiguous bfloat16 [N / 32, K / 2, 32, 2] from pack_bf16");
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K && (N + kTile - 1) / kTile == tiles, "x is [", M, ", ", K,
-              "] but the packed weight holds ", tiles * kTile, " x ", packed.size(1) * 2, " for ", N, " outputs");
+  check_packed(x, packed, N);
   x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? torch::kFloat : torch::kBFloat16));
+  auto y = torch::empty({x.size(0), N}, x.options().dtype(fp32_out ? torch::kFloat : torch::kBFloat16));
 #if defined(INFERLAB_AVX512_BF16)
+  const int64_t M = x.size(0), K = x.size(1);
   if (fp32_out) {
     run(x.data_ptr<at::BFloat16>(), packed, y.data_ptr<float>(), M, K, N);
   } else {
@@ -260,12 +267,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, bo
 // x [M, K] fp32; packed [ceil(N / 32), K / 2, 32, 2] bf16 from pack_bf16 -> y [M, N] fp32.
 torch::Tensor packed_linear_fp32(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be [M, K] float32");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == kTile && packed.size(3) == 2,
-              "packed must be a contiguous bfloat16 [N / 32, K / 2, 32, 2] from pack_bf16");
+  check_packed(x, packed, N);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K && (N + kTile - 1) / kTile == tiles, "x is [", M, ", ", K,
-              "] but the packed weight holds ", tiles * kTile, " x ", packed.size(1) * 2, " for ", N, " outputs");
   x = x.contiguous();
   auto y = torch::empty({M, N}, x.options());
   run_fp32(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
