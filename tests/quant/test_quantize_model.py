@@ -74,7 +74,7 @@ def test_bf16_weights_compute_the_rounded_model_in_fp32():
     oracle is that model, built by rounding the weights in place and left as nn.Linear layers (MKL's fp32 GEMM)."""
     net, rounded = tiny_model(), tiny_model()
     with torch.no_grad():
-        for name, m in rounded.named_modules():
+        for m in rounded.modules():
             if isinstance(m, nn.Linear):
                 m.weight.copy_(m.weight.bfloat16().float())  # the tied embedding shares lm_head's weight
     ref = logits(rounded, IDS)
