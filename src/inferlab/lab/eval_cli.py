@@ -70,9 +70,7 @@ def run_config(config: EngineConfig, settings: EvalSettings) -> dict:
     load_s = time.perf_counter() - t0
     try:
         res = evaluate(llm, settings)
-        # the engine's config: --quantization auto resolved to the scheme it served
-        res.update(config=llm.engine.config.to_dict(), quant_path=llm.engine.quant_path,
-                   weight_bytes=llm.engine.weight_bytes)
+        res.update(config=config.to_dict(), quant_path=llm.engine.quant_path, weight_bytes=llm.engine.weight_bytes)
         res["seconds"]["load"] = load_s
         return res
     finally:
