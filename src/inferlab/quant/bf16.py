@@ -29,8 +29,9 @@ def check_bf16_shape(shape: tuple[int, int]) -> None:
 class Bf16Linear(QuantLinear):
     scheme = "bf16"
     # The kernel at every step size: on SmolLM2-135M's 30 layers, 2-core AVX2 EPYC, it is ahead of MKL's sgemm on
-    # the widened weights and of oneDNN's packed fp32 GEMM (which would need an fp32 copy) from 1 to 512 tokens
-    # (`python benchmarks/linear_kernels.py --fp32`, docs/benchmarks.md, round 24).
+    # the widened weights and of oneDNN's packed fp32 GEMM (which would need an fp32 copy) from 1 to 256 tokens
+    # (1 token 2.6-2.8x oneDNN's, 64 tokens 1.03-1.28x) and level or ahead at 512 (`python
+    # benchmarks/linear_kernels.py --fp32`, two runs: docs/benchmarks.md, round 24).
     max_kernel_tokens_fp32 = 1 << 62
     kernel_rows_alone = True
 
