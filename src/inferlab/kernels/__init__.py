@@ -109,7 +109,8 @@ def gemv_kernels():
 
 
 def int_gemv_kernels():
-    """The kernels if their integer products (gemv.cpp: int8, and int4 at group size 32 with int8 activations) were
-    built vectorised: with AVX-512 BF16 as gemv_kernels(), or with AVX2 (an EPYC before Zen 4), else None."""
+    """The kernels if their products for fp32 or bf16 activations on quantized weights (gemv.cpp: int8, and int4 at
+    group size 32 with int8 activations; packed_gemm.cpp: bf16 weights under fp32 activations) were built
+    vectorised: with AVX-512 BF16 as gemv_kernels(), or with AVX2 (an EPYC before Zen 4), else None."""
     k = cpu_kernels()
     return k if k is not None and k.int_gemv_simd() else None
