@@ -18,7 +18,9 @@ last line times the int8 LM head the int4 mode keeps (49152 x 576, inferlab's in
 `--against REV` times instead this tree's packed kernels (bf16 and w8a8), int4 and int8 kernels against git revision
 REV's (built beside them from `git archive`), pass by pass alternately, for every --rows, then the bf16 LM head
 (49152 x 576, fp32 logits) at one row; where the two do not give the same bits (a change that reorders a kernel's
-sums), the row says by how much they differ, and more than 1% of the largest output stops it.
+sums), the row says by how much they differ, and more than 1% of the largest output stops it. On a CPU without
+AVX-512 BF16 it times the kernels the engine runs there instead: bf16 weights under fp32 activations (layers and
+LM head), int4 and int8 on fp32 activations.
 
     python benchmarks/linear_kernels.py --against 7e1d74a --rows 1 2 4 8 16 64
 
@@ -73,6 +75,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--against", metavar="REV", help="time this tree's packed kernels against git revision REV's")
     ap.add_argument("--passes", type=int, default=30, help="with --against or --placement: passes a side")
+    ap.add_argument("--only", metavar="PREFIX", help="with --against: only the kernels whose name starts so (bf16, "
+                                                      "int4, int8, w8a8); the LM head is bf16")
     ap.add_argument("--placement", action="store_true", help="each weight its own tensor against one huge-page "
                                                              "mapping for all")
     ap.add_argument("--fp32", action="store_true", help="the fp32 paths of a CPU without AVX-512 BF16")
@@ -84,7 +88,7 @@ def main() -> None:
         placement(args.rows, args.layers, args.passes)
         return
     if args.against:
-        against(args.against, args.rows, args.layers, args.passes)
+        against(args.against, args.rows, args.layers, args.passes, args.only)
         return
     g = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=g).bfloat16() for o, i in SHAPES] for _ in range(args.layers)]
@@ -233,21 +237,29 @@ def bf16_layout_for(kernels, w: torch.Tensor) -> torch.Tensor:
         return padded.view(-1, 16, w.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
-def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
+def against(rev: str, rows: list[int], layers: int, passes: int, only: str | None) -> None:
     from decode_attention import kernels_at
 
     from inferlab.bench.machine import MachineSampler
 
     from inferlab.common.host_memory import huge_page_copies
 
-    kernels, base = gemv_kernels(), kernels_at(rev)
+    from inferlab.kernels import int_gemv_kernels
+
+    # Without AVX-512 BF16 (an AVX2 EPYC) the engine computes in fp32: the bf16 weights go through
+    # packed_linear_fp32, and the integer kernels take fp32 activations.
+    fp32 = gemv_kernels() is None
+    kernels = int_gemv_kernels()
     if kernels is None:
-        raise SystemExit("the packed kernels need AVX-512 with BF16 on this machine")
+        raise SystemExit("inferlab's kernels are not vectorised on this machine (neither AVX-512 BF16 nor AVX2)")
+    base = kernels_at(rev)
+    act = torch.float32 if fp32 else torch.bfloat16
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=g).bfloat16() for _ in range(layers) for o, i in SHAPES]
     head = torch.randn(49152, 576, generator=g).bfloat16()
     # Each side's bf16 weights in the layout its kernel takes, all on one huge-page mapping as the engine keeps them.
-    packs = {m: huge_page_copies([bf16_layout_for(m, w) for w in weights + [head]]) for m in (kernels, base)}
+    packs = {m: huge_page_copies([pack_bf16(w) if fp32 else bf16_layout_for(m, w) for w in weights + [head]])
+             for m in (kernels, base)}
     outs = [w.shape[0] for w in weights]
     w8 = huge_page_copies([t for q, s in map(quantize_int8, weights) for t in (pack_w8a8(q), s)])
     w8 = [(w8[2 * i], w8[2 * i + 1], n) for i, n in enumerate(outs)]
@@ -257,12 +269,18 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
     i8 = [(i8[2 * i], i8[2 * i + 1]) for i in range(len(weights))]
     cases = {
         "bf16": lambda m, xs: [m.packed_linear(xs[p.shape[1] * 2], p, n, False) for p, n in zip(packs[m], outs)],
+        "bf16 weights, fp32 activations": lambda m, xs: [m.packed_linear_fp32(xs[p.shape[1] * 2], p, n)
+                                                         for p, n in zip(packs[m], outs)],
         "w8a8": lambda m, xs: [m.w8a8_linear(xs[p.shape[1] * 4], p, s, n) for p, s, n in w8],
         "int4": lambda m, xs: [m.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32) for q, d, mn in q4],
         "int8": lambda m, xs: [m.int8_linear(xs[q.shape[1]], q, s) for q, s in i8],
     }
+    for name in ("bf16 weights, fp32 activations",) if not fp32 else ("bf16", "w8a8"):
+        del cases[name]  # w8a8 needs AVX-512 VNNI
+    if only:
+        cases = {name: call for name, call in cases.items() if name.startswith(only)}
     print(f"{torch.get_num_threads()} threads; {layers} layers' matmuls a pass (SmolLM2-135M's shapes); median of "
-          f"{passes} passes; this tree against {rev}")
+          f"{passes} passes; this tree against {rev}; {'fp32' if fp32 else 'bf16'} activations")
     print(f"| kernel | rows | this tree ms | {rev} ms | {rev} / this tree |")
     print("|---|---|---|---|---|")
     machine = MachineSampler()
@@ -286,11 +304,14 @@ def against(rev: str, rows: list[int], layers: int, passes: int) -> None:
               flush=True)
 
     for m in rows:
-        xs = {i: torch.randn(m, i, generator=g).bfloat16() for _, i in SHAPES}
+        xs = {i: torch.randn(m, i, generator=g).to(act) for _, i in SHAPES}
         for kernel, call in cases.items():
             compare(kernel, m, lambda mod: call(mod, xs))
-    x = torch.randn(1, 576, generator=g).bfloat16()
-    compare("bf16 LM head, fp32 out", 1, lambda mod: [mod.packed_linear(x, packs[mod][-1], 49152, True)])
+    x = torch.randn(1, 576, generator=g).to(act)
+    if fp32:
+        compare("bf16 LM head", 1, lambda mod: [mod.packed_linear_fp32(x, packs[mod][-1], 49152)])
+    else:
+        compare("bf16 LM head, fp32 out", 1, lambda mod: [mod.packed_linear(x, packs[mod][-1], 49152, True)])
     share = machine.stop()["foreign_cpu_share"]
     print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
 
