@@ -139,7 +139,14 @@ void run(const at::BFloat16* xp, const torch::Tensor& packed, Out* yp, int64_t M
 // activations: 14 of AVX2's 16 registers), the line's weights coming back from the caches for each block. Every
 // output adds its products in one order, k then k + 1 a pair, one FMA each, whatever the block: a row comes out
 // the same bits at every step size, and the scalar build (no AVX2) computes the same bits slowly.
+//
+// Whole tiles (one or two tokens) ask for the weights kFp32PrefetchAhead bytes down the stream, into L2: on the AVX2
+// EPYC that made the 30 layers 1.16-1.23x faster at two tokens and the LM head 1.04-1.15x, one token 0.96-1.05x
+// (the host's swing), in seven runs of `python benchmarks/linear_kernels.py --against 872f68d --rows 1 2` (0.5 to
+// 4 KiB ahead did no better, nor two chains of sums at one token; docs/benchmarks.md, round 25). The blocks of more
+// tokens re-read each line from the caches once a block; asking there too made 8 tokens 0.81x as fast, 64 0.55x.
 constexpr int64_t kFp32Tokens = 4;
+constexpr int64_t kFp32PrefetchAhead = 2048;  // bytes
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Tokens [0, MB) x NV vectors of 8 outputs from w (a tile's first line, or its second). `valid`: the outputs from
@@ -152,6 +159,11 @@ inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, in
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const uint16_t* pair = w + kp * 2 * kTile;
+    if constexpr (NV == 4) {  // a whole tile: the two lines of this pair, kFp32PrefetchAhead bytes on
+      const char* ahead = reinterpret_cast<const char*>(pair) + kFp32PrefetchAhead;
+      __builtin_prefetch(ahead, 0, 2);
+      __builtin_prefetch(ahead + 64, 0, 2);
+    }
     __m256 wk[NV], wk1[NV];
     for (int v = 0; v < NV; ++v) {
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + v * 16));
