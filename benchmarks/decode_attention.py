@@ -19,7 +19,8 @@ reverse order, which it reads one row at a time (the outputs are the same bits; 
 
 `--against REV` times instead this tree's kernel against the kernel as it was at git revision REV (built beside it
 from `git archive`), pass by pass alternately on each pool, for every batch and for each `--contexts` length (one
-sequence length for the whole batch); it checks the two agree within bf16 rounding.
+sequence length for the whole batch); it checks the two agree within bf16 rounding. `--dtype float32` makes the
+queries and the plain pool fp32, as the engine keeps them on a CPU without AVX-512 BF16.
 
     python benchmarks/decode_attention.py --against 620ed29 --batches 1 2 3 4 16 --contexts 256 768 2048
 """
@@ -43,19 +44,20 @@ LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
 POOL_TOKENS = 46_600
 
 
-def pools(num_blocks: int) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+def pools(num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each layer's pool in `dtype` (named "bf16" or "fp32") and in int8."""
     g = torch.Generator().manual_seed(0)
-    bf16, int8 = [], []
+    plain, int8 = [], []
     for _ in range(LAYERS):
-        k, v = (torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(torch.bfloat16) for _ in range(2))
-        bf16.append((k, v))
+        k, v = (torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(dtype) for _ in range(2))
+        plain.append((k, v))
         slots = torch.arange(num_blocks * BLOCK)
         k8, v8 = (torch.empty(KV_HEADS, num_blocks, BLOCK * kv_int8.row_bytes(DIM), dtype=torch.int8)
                   for _ in range(2))
         kv_int8.write(k8, slots, k.view(KV_HEADS, -1, DIM).transpose(0, 1))
         kv_int8.write(v8, slots, v.view(KV_HEADS, -1, DIM).transpose(0, 1))
         int8.append((k8, v8))
-    return {"bf16": bf16, "int8": int8}
+    return {"bf16" if dtype == torch.bfloat16 else "fp32": plain, "int8": int8}
 
 
 def main() -> None:
@@ -68,16 +70,20 @@ def main() -> None:
     ap.add_argument("--extend", nargs="+", metavar="P+S", help="cached keys + new rows of one sequence")
     ap.add_argument("--against", metavar="REV", help="time this tree's kernel against git revision REV's")
     ap.add_argument("--contexts", type=int, nargs="+", help="with --against: the context lengths (default --context)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="with --against: the queries' and the plain pool's dtype (float32: the engine on a CPU "
+                         "without AVX-512 BF16)")
     args = ap.parse_args()
     kernels = cpu_kernels()
     num_blocks = POOL_TOKENS // BLOCK
-    layers = pools(num_blocks)
+    dtype = getattr(torch, args.dtype)
+    layers = pools(num_blocks, dtype if args.against else torch.bfloat16)
     if args.extend:
         extend(kernels, layers, num_blocks, args.extend, args.passes)
         return
     if args.against:
         against(kernels, kernels_at(args.against), args.against, layers, num_blocks, args.batches,
-                args.contexts or [args.context], args.passes)
+                args.contexts or [args.context], args.passes, dtype)
         return
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, context {args.context}, "
           f"pool {num_blocks} blocks of {BLOCK}, {args.tables}; median of {args.passes} passes")
@@ -148,7 +154,7 @@ def kernels_at(rev: str):
 
 
 def against(kernels, base, rev: str, pools_by_dtype: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
-            num_blocks: int, batches: list[int], contexts: list[int], passes: int) -> None:
+            num_blocks: int, batches: list[int], contexts: list[int], passes: int, dtype: torch.dtype) -> None:
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, pools of {num_blocks} "
           f"blocks of {BLOCK}, scattered; median of {passes} passes; this tree against {rev}")
     print(f"| context | batch | pool | this tree ms | {rev} ms | µs a key, this tree | {rev} / this tree |")
@@ -160,7 +166,7 @@ def against(kernels, base, rev: str, pools_by_dtype: dict[str, list[tuple[torch.
             nblk = -(-context // BLOCK)
             tables = torch.randperm(num_blocks)[:B * nblk].view(B, nblk)
             lens = torch.full((B,), context, dtype=torch.long)
-            q = torch.randn(B, HEADS, DIM).to(torch.bfloat16)
+            q = torch.randn(B, HEADS, DIM).to(dtype)
             for pool, layers in pools_by_dtype.items():
                 k, v = layers[0]
                 ours, theirs = (m.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5) for m in (kernels, base))
