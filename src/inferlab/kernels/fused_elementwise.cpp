@@ -5,7 +5,8 @@
 // in fp32 rounded to the dtype before the weight multiplies it (transformers' Llama order), SiLU rounded before
 // the product. Rows are spread over threads only when there are enough of them to pay for the wake-up. bf16 with
 // AVX-512 runs 16 lanes at a time; its SiLU uses a vectorised exp and is checked against torch's over all 65,536
-// bf16 inputs (tests/models/test_layers.py), so the rounded results stay identical.
+// bf16 inputs (tests/models/test_layers.py), so the rounded results stay identical. fp32's SiLU with AVX2 runs 8
+// lanes at a time on the same exp.
 
 #include "cpu_common.h"
 
@@ -71,6 +72,27 @@ void silu_mul_bf16(const at::BFloat16* gu, at::BFloat16* out, int64_t rows, int6
         const __m512 g = load_bf16x16(g0 + i, m);
         const __m512 silu = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(one, inferlab::exp16(-g))));
         store_bf16x16(out + r * I + i, _mm512_mul_ps(silu, load_bf16x16(g0 + I + i, m)), m);
+      }
+    }
+  });
+}
+#endif
+
+#if defined(INFERLAB_AVX2)
+// fp32 rows (a CPU without AVX-512 BF16 computes in fp32) 8 lanes at a time, the exp vectorised (exp8) where the
+// scalar build calls expf once an element; a row's last, partial vector is masked, so every element takes the
+// same arithmetic. 30 layers of 1536: 0.33 -> 0.16 ms at one row, 2.39 -> 0.91 at 16 on the AVX2 EPYC (ad hoc,
+// this build against 872f68d's alternately).
+void silu_mul_fp32(const float* gu, float* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kElemsPerTask / I), [&](int64_t begin, int64_t end) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g0 = gu + r * 2 * I;
+      for (int64_t i = 0; i < I; i += 8) {
+        const __m256i m = inferlab::first_lanes8(I - i);
+        const __m256 g = _mm256_maskload_ps(g0 + i, m);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, inferlab::exp8(_mm256_sub_ps(zero, g))));
+        _mm256_maskstore_ps(out + r * I + i, m, _mm256_mul_ps(silu, _mm256_maskload_ps(g0 + I + i, m)));
       }
     }
   });
@@ -164,6 +186,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     silu_mul_impl(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, I);
   } else {
     TORCH_CHECK(gate_up.scalar_type() == torch::kFloat, "float32 or bfloat16 only");
+#if defined(INFERLAB_AVX2)
+    silu_mul_fp32(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, I);
+    return out;
+#endif
     silu_mul_impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, I);
   }
   return out;
