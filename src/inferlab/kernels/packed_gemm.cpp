@@ -141,7 +141,7 @@ void run(const at::BFloat16* xp, const torch::Tensor& packed, Out* yp, int64_t M
 // the same bits at every step size, and the scalar build (no AVX2) computes the same bits slowly.
 //
 // Whole tiles (one or two tokens) ask for the weights kFp32PrefetchAhead bytes down the stream, into L2: on the AVX2
-// EPYC that made the 30 layers 1.16-1.23x faster at two tokens and the LM head 1.04-1.15x, one token 0.96-1.05x
+// EPYC that made the 30 layers 1.16-1.23x faster at two tokens and the LM head 1.05-1.15x, one token 0.96-1.05x
 // (the host's swing), in seven runs of `python benchmarks/linear_kernels.py --against 872f68d --rows 1 2` (0.5 to
 // 4 KiB ahead did no better, nor two chains of sums at one token; docs/benchmarks.md, round 25). The blocks of more
 // tokens re-read each line from the caches once a block; asking there too made 8 tokens 0.81x as fast, 64 0.55x.
