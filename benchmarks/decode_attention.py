@@ -1,4 +1,6 @@
-"""Decode attention over the paged pool: the bf16 pool against the int8 one (`--kv-cache-dtype int8`).
+"""Decode attention over the paged pool: the bf16 pool against the int8 one (`--kv-cache-dtype int8`), and with
+`--dtype float32` (fp32 queries, as on a CPU without AVX-512 BF16) the fp32 pool against a bf16 one
+(`--kv-cache-dtype bfloat16`) and the int8 one.
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, 30 layers, blocks of 16 tokens), each layer its own slice
 of one pool the engine's default size (46,600 tokens: 1 GiB in bf16) with every sequence's blocks scattered over
@@ -7,6 +9,7 @@ two pools alternate pass by pass, so a shift in the host's speed meets both. Pri
 passes) and the pool bytes read a second.
 
     python benchmarks/decode_attention.py [--batches 1 16 64] [--context 192] [--passes 30] [--tables scattered]
+    python benchmarks/decode_attention.py --dtype float32 --batches 1 16 64
 
 `--tables` places each sequence's blocks: `scattered` over the pool (the default, as after a while of serving),
 `ordered` (each sequence's blocks one after another, as for prompts that arrive together), or `shared` (every
@@ -44,20 +47,26 @@ LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
 POOL_TOKENS = 46_600
 
 
-def pools(num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Each layer's pool in `dtype` (named "bf16" or "fp32") and in int8."""
+NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
+
+
+def pools(num_blocks: int, dtype: torch.dtype = torch.bfloat16,
+          also: tuple[torch.dtype, ...] = ()) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each layer's pool in `dtype`, in int8 and in each of `also`, named as NAMES says."""
     g = torch.Generator().manual_seed(0)
-    plain, int8 = [], []
+    out: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {NAMES[t]: [] for t in (dtype, *also, torch.int8)}
     for _ in range(LAYERS):
         k, v = (torch.randn(KV_HEADS, num_blocks, BLOCK, DIM, generator=g).to(dtype) for _ in range(2))
-        plain.append((k, v))
+        out[NAMES[dtype]].append((k, v))
+        for t in also:
+            out[NAMES[t]].append((k.to(t), v.to(t)))
         slots = torch.arange(num_blocks * BLOCK)
         k8, v8 = (torch.empty(KV_HEADS, num_blocks, BLOCK * kv_int8.row_bytes(DIM), dtype=torch.int8)
                   for _ in range(2))
         kv_int8.write(k8, slots, k.view(KV_HEADS, -1, DIM).transpose(0, 1))
         kv_int8.write(v8, slots, v.view(KV_HEADS, -1, DIM).transpose(0, 1))
-        int8.append((k8, v8))
-    return {"bf16" if dtype == torch.bfloat16 else "fp32": plain, "int8": int8}
+        out["int8"].append((k8, v8))
+    return out
 
 
 def main() -> None:
@@ -71,13 +80,16 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="time this tree's kernel against git revision REV's")
     ap.add_argument("--contexts", type=int, nargs="+", help="with --against: the context lengths (default --context)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                    help="with --against: the queries' and the plain pool's dtype (float32: the engine on a CPU "
-                         "without AVX-512 BF16)")
+                    help="the queries' and the plain pool's dtype (float32: the engine on a CPU without AVX-512 "
+                         "BF16; in the default mode it adds the bf16 pool under fp32 queries, --kv-cache-dtype "
+                         "bfloat16); --extend: bfloat16 only")
     args = ap.parse_args()
     kernels = cpu_kernels()
     num_blocks = POOL_TOKENS // BLOCK
     dtype = getattr(torch, args.dtype)
-    layers = pools(num_blocks, dtype if args.against else torch.bfloat16)
+    plain_fp32 = dtype == torch.float32 and not args.against and not args.extend
+    layers = pools(num_blocks, dtype if not args.extend else torch.bfloat16,
+                   also=(torch.bfloat16,) if plain_fp32 else ())
     if args.extend:
         extend(kernels, layers, num_blocks, args.extend, args.passes)
         return
@@ -86,16 +98,18 @@ def main() -> None:
                 args.contexts or [args.context], args.passes, dtype)
         return
     print(f"{torch.get_num_threads()} threads; {LAYERS} layers x {KV_HEADS} KV heads x {DIM}, context {args.context}, "
-          f"pool {num_blocks} blocks of {BLOCK}, {args.tables}; median of {args.passes} passes")
-    print("| batch | bf16 ms | int8 ms | bf16 GB/s | int8 GB/s | bf16 / int8 |")
-    print("|---|---|---|---|---|---|")
+          f"pool {num_blocks} blocks of {BLOCK}, {args.tables}; {args.dtype} queries; median of {args.passes} passes")
+    names = list(layers)
+    print("| batch | " + " | ".join(f"{n} ms" for n in names) + " | " + " | ".join(f"{n} GB/s" for n in names)
+          + " | " + " | ".join(f"{names[0]} / {n}" for n in names[1:]) + " |")
+    print("|---" * (3 * len(names)) + "|")
     for B in args.batches:
         nblk = -(-args.context // BLOCK)
         tables = {"scattered": torch.randperm(num_blocks)[:B * nblk].view(B, nblk),
                   "ordered": torch.arange(B * nblk).view(B, nblk),
                   "shared": torch.arange(nblk).expand(B, nblk).contiguous()}[args.tables]
         lens = torch.full((B,), args.context, dtype=torch.long)
-        q = torch.randn(B, HEADS, DIM).to(torch.bfloat16)
+        q = torch.randn(B, HEADS, DIM).to(dtype)
         times = {name: [] for name in layers}
         for _ in range(args.passes + 2):
             for name, kv in layers.items():
@@ -104,10 +118,10 @@ def main() -> None:
                     kernels.paged_decode_attention(q, k, v, tables, lens, DIM**-0.5)
                 times[name].append(time.perf_counter() - t0)
         ms = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
-        read = {"bf16": 2 * LAYERS * KV_HEADS * B * args.context * DIM * 2,
-                "int8": 2 * LAYERS * KV_HEADS * B * args.context * kv_int8.row_bytes(DIM)}
-        print(f"| {B} | {ms['bf16']:.2f} | {ms['int8']:.2f} | {read['bf16'] / ms['bf16'] / 1e6:.1f} | "
-              f"{read['int8'] / ms['int8'] / 1e6:.1f} | {ms['bf16'] / ms['int8']:.2f}x |")
+        row_bytes = {"fp32": DIM * 4, "bf16": DIM * 2, "int8": kv_int8.row_bytes(DIM)}
+        gbs = {n: 2 * LAYERS * KV_HEADS * B * args.context * row_bytes[n] / ms[n] / 1e6 for n in names}
+        print(f"| {B} | " + " | ".join(f"{ms[n]:.2f}" for n in names) + " | " + " | ".join(f"{gbs[n]:.1f}"
+              for n in names) + " | " + " | ".join(f"{ms[names[0]] / ms[n]:.2f}x" for n in names[1:]) + " |")
 
 
 def extend(kernels, pools_by_dtype: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], num_blocks: int,

@@ -37,7 +37,8 @@ class EngineConfig:
         choices=["auto", "float32", "bfloat16"]))
     kv_cache_dtype: str = field(default="auto", metadata=_flag(
         "KV cache; int8: each K/V row of a head rounded to int8 with its own scale, about half of bf16's bytes "
-        "(layers/kv_int8.py); auto = --dtype", choices=["auto", "int8"]))
+        "(layers/kv_int8.py); bfloat16: half of float32's under --dtype float32; auto = --dtype",
+        choices=["auto", "bfloat16", "int8"]))
     device: str = field(default="auto", metadata=_flag("auto | cpu | cuda[:N]"))
     block_size: int = field(default=16, metadata=_flag("tokens per KV block"))
     kv_cache_memory: int | None = field(default=None, metadata=_flag(

@@ -91,10 +91,10 @@ class LLMEngine:
                                 {id(t): t for t in list(loaded.model.parameters()) + list(loaded.model.buffers())}.values())
 
         bs = config.block_size
-        self.kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else self.dtype
+        self.kv_dtype = {"int8": torch.int8, "bfloat16": torch.bfloat16}.get(config.kv_cache_dtype, self.dtype)
         self.kv_bytes_per_token = (
             2 * cfg.num_layers * cfg.num_kv_heads * kv_int8.row_bytes(cfg.head_dim) if self.kv_dtype == torch.int8
-            else cfg.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size()))
+            else cfg.kv_bytes_per_token(torch.tensor([], dtype=self.kv_dtype).element_size()))
         per_block = self.kv_bytes_per_token * bs
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_len_reason = "the model's maximum context length"

@@ -95,8 +95,9 @@ def kernels_for(*tensors: torch.Tensor):
 
 def kernels_for_pool(x: torch.Tensor, pool: torch.Tensor, *others: torch.Tensor):
     """kernels_for(x, *others) where the KV pool is x's dtype or int8 (layers/kv_int8.py), which the attention
-    kernels take with either activation dtype."""
-    if pool.device != x.device or pool.dtype not in (x.dtype, torch.int8):
+    kernels take with either activation dtype, or bf16 under fp32 activations (`--kv-cache-dtype bfloat16`)."""
+    bf16_under_fp32 = pool.dtype == torch.bfloat16 and x.dtype == torch.float32
+    if pool.device != x.device or (pool.dtype not in (x.dtype, torch.int8) and not bf16_under_fp32):
         return None
     return kernels_for(x, *others)
 

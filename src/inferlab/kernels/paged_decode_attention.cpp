@@ -112,7 +112,7 @@ void widen_block(const P* block, int64_t n, int64_t D, int64_t BS, float* out) {
 }
 
 // DIM > 0 fixes the head size at compile time (full unrolling into vector registers); 0 reads it at run time.
-// P: the pool's element, T or int8_t.
+// P: the pool's element: T, int8_t, or bf16 under an fp32 query.
 template <typename T, typename P, int64_t DIM>
 void decode(const T* q, const P* kc, const P* vc, const int64_t* tables, const int64_t* lens, T* out,
             int64_t B, int64_t H, int64_t KVH, int64_t N, int64_t BS, int64_t D_, int64_t max_blocks, float scale) {
@@ -120,7 +120,9 @@ void decode(const T* q, const P* kc, const P* vc, const int64_t* tables, const i
   const int64_t G = H / KVH;
   const int64_t block_elems = std::is_same_v<P, int8_t> ? int8_block_bytes(BS, D) : BS * D;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kf(BS * D), vf(BS * D), scores(G * BS), m(G), l(G);
+    // kf, vf: a block's rows widened, for pools other than fp32 (which is read in place).
+    const int64_t widened = std::is_same_v<P, float> ? 0 : BS * D;
+    std::vector<float> qf(G * D), acc(G * D), kf(widened), vf(widened), scores(G * BS), m(G), l(G);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / KVH, h = i % KVH;
       for (int64_t g = 0; g < G; ++g)
@@ -727,15 +729,17 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tens
 
 }  // namespace
 
-// q [B, H, D]; k_cache, v_cache [KVH, N, BS, D] in q's dtype or int8 [KVH, N, BS * (D + 4)]; block_tables
-// [B, max_blocks] int64; context_lens [B] int64.
+// q [B, H, D]; k_cache, v_cache [KVH, N, BS, D] in q's dtype (or bf16 under an fp32 q) or int8
+// [KVH, N, BS * (D + 4)]; block_tables [B, max_blocks] int64; context_lens [B] int64.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   const bool int8_pool = k_cache.scalar_type() == torch::kChar;
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == (int8_pool ? 3 : 4) && v_cache.sizes() == k_cache.sizes(),
               "bad shapes");
-  TORCH_CHECK((int8_pool || q.scalar_type() == k_cache.scalar_type()) &&
-                  v_cache.scalar_type() == k_cache.scalar_type(), "q and the pool must share a dtype (or int8 pool)");
+  const bool bf16_under_fp32 = q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((int8_pool || bf16_under_fp32 || q.scalar_type() == k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the pool must share a dtype (or an int8 pool, or a bf16 one under an fp32 q)");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block tables and lengths must be int64");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
@@ -759,7 +763,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     }
     return out;
   }
-  if (q.scalar_type() == torch::kBFloat16) {
+  if (bf16_under_fp32) {  // the generic loop, each block's rows widened (exactly) to fp32 once
+    dispatch(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH,
+             N, BS, D, block_tables.size(1), s);
+  } else if (q.scalar_type() == torch::kBFloat16) {
 #if defined(INFERLAB_AVX512_BF16)
     if (decode_bf16_simd(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
                          v_cache.data_ptr<at::BFloat16>(), block_tables.data_ptr<int64_t>(),

@@ -5,8 +5,9 @@
 // Rounds where the unfused ops round in bf16: each product, then their sum.
 //
 // qkv [T, (H + 2 * KVH) * D] (Q heads, then K heads, then V heads); cos, sin [T, D] in qkv's dtype; pool
-// [KVH, N, BS, D] in qkv's dtype, or int8 [KVH, N, BS * (D + 4)] (layers/kv_int8.py); slots [S] int64, S <= T
-// (rows past S are padding: rotated, never stored).
+// [KVH, N, BS, D] in qkv's dtype, bf16 under fp32 qkv (rows rounded to bf16 as they are stored), or int8
+// [KVH, N, BS * (D + 4)] (layers/kv_int8.py); slots [S] int64, S <= T (rows past S are padding: rotated, never
+// stored).
 
 #include "cpu_common.h"
 
@@ -39,7 +40,8 @@ void store_int8_row(const T* x, int8_t* block, int64_t off, int64_t D, int64_t B
   std::memcpy(block + BS * D + off * sizeof(float), &s, sizeof(float));
 }
 
-// P: the pool's element, T (rows copied as they are) or int8_t (rows rounded, store_int8_row).
+// P: the pool's element, T (rows copied as they are), bf16 under fp32 (each value rounded) or int8_t (rows
+// rounded, store_int8_row).
 template <typename T, typename P>
 void impl(const T* qkv, const T* cos, const T* sin, T* q_out, T* k_out, P* kc, P* vc, const int64_t* slots,
           int64_t rows, int64_t stored, int64_t H, int64_t KVH, int64_t D, int64_t N, int64_t BS) {
@@ -65,10 +67,18 @@ void impl(const T* qkv, const T* cos, const T* sin, T* q_out, T* k_out, P* kc, P
             const int64_t at = (h * N + blk) * int8_block_bytes(BS, D);
             store_int8_row(k_out + (t * KVH + h) * D, kc + at, off, D, BS);
             store_int8_row(row + (H + KVH + h) * D, vc + at, off, D, BS);
-          } else {
+          } else if constexpr (std::is_same_v<P, T>) {
             const int64_t at = ((h * N + blk) * BS + off) * D;
             std::memcpy(kc + at, k_out + (t * KVH + h) * D, D * sizeof(T));
             std::memcpy(vc + at, row + (H + KVH + h) * D, D * sizeof(T));
+          } else {
+            const int64_t at = ((h * N + blk) * BS + off) * D;
+            const T* k = k_out + (t * KVH + h) * D;
+            const T* v = row + (H + KVH + h) * D;
+            for (int64_t d = 0; d < D; ++d) {
+              store(kc + at, d, load(k, d));
+              store(vc + at, d, load(v, d));
+            }
           }
         }
       }
@@ -84,6 +94,10 @@ void run(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor
   if (k_cache.scalar_type() == torch::kChar)
     impl(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), q.data_ptr<T>(), k.data_ptr<T>(),
          k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), slots.data_ptr<int64_t>(), T_, S, H, KVH, D, N, BS);
+  else if (k_cache.scalar_type() != qkv.scalar_type())  // a bf16 pool under fp32
+    impl(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), q.data_ptr<T>(), k.data_ptr<T>(),
+         k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), slots.data_ptr<int64_t>(), T_, S, H,
+         KVH, D, N, BS);
   else
     impl(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), q.data_ptr<T>(), k.data_ptr<T>(),
          k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), slots.data_ptr<int64_t>(), T_, S, H, KVH, D, N, BS);
@@ -103,9 +117,11 @@ std::tuple<torch::Tensor, torch::Tensor> rotary_kv_write(torch::Tensor qkv, torc
               "the pool's rows are not the heads' size");
   const int64_t BS = int8_pool ? k_cache.size(2) / (D + inferlab::kKvScaleBytes) : k_cache.size(2);
   TORCH_CHECK(cos.numel() == T * D && sin.numel() == T * D, "cos/sin must be [T, D]");
-  TORCH_CHECK((int8_pool || qkv.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() ==
-                  k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
-                  sin.scalar_type() == qkv.scalar_type(), "one dtype for qkv, cos/sin and the pool (or an int8 pool)");
+  const bool bf16_under_fp32 = qkv.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((int8_pool || bf16_under_fp32 || qkv.scalar_type() == k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "one dtype for qkv, cos/sin and the pool (or an int8 pool, or a bf16 one under fp32)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the pool must be contiguous");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.size(0) <= T, "slots: int64, at most one per row");
   qkv = qkv.contiguous();

@@ -92,6 +92,8 @@ class PagedAttention(nn.Module):
                 # Attend to the K/V as the pool holds them, as every later step will (and so perplexity scoring,
                 # which runs this path, measures the int8 pool).
                 k, v = (kv_int8.round_trip(x) for x in (k, v))
+            elif self.k_cache.dtype != k.dtype:  # a bf16 pool under fp32, likewise
+                k, v = (x.to(self.k_cache.dtype).to(x.dtype) for x in (k, v))
             w = self.sliding_window
             mask = None
             if w is not None and T > w:
@@ -117,7 +119,7 @@ class PagedAttention(nn.Module):
         return out.view(T, -1)
 
     def _gather(self, g: AttentionGroup, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's blocks, in order: [kv_heads, B, L, dim] for K and for V (an int8 pool's in `dtype`). One
+        """Each sequence's blocks, in order: [kv_heads, B, L, dim] for K and for V, in `dtype`. One
         row gather over the pool seen as 2-D (a memcpy per block; index_select along dim 1 of the 4-D pool measured
         2x slower)."""
         H, N = self.k_cache.shape[:2]
@@ -130,6 +132,8 @@ class PagedAttention(nn.Module):
         k, v = (c.view(H * N, block_numel).index_select(0, rows) for c in (self.k_cache, self.v_cache))
         if self.k_cache.dtype == torch.int8:
             k, v = (kv_int8.dequantize(x, self.head_dim, dtype) for x in (k, v))
+        elif self.k_cache.dtype != dtype:  # a bf16 pool under fp32
+            k, v = k.to(dtype), v.to(dtype)
         shape = (H, B, -1, self.head_dim)
         return k.view(shape), v.view(shape)
 
