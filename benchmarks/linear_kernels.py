@@ -275,8 +275,10 @@ def against(rev: str, rows: list[int], layers: int, passes: int, only: str | Non
         "int4": lambda m, xs: [m.int4_linear(xs[q.shape[1] * 2], q, d, mn, 32) for q, d, mn in q4],
         "int8": lambda m, xs: [m.int8_linear(xs[q.shape[1]], q, s) for q, s in i8],
     }
+    # The kernels the engine runs on this CPU: with AVX-512 BF16 the bf16 and w8a8 ones (bf16 activations), without
+    # it bf16 weights under fp32 activations (bf16 and w8a8 are not built there).
     for name in ("bf16 weights, fp32 activations",) if not fp32 else ("bf16", "w8a8"):
-        del cases[name]  # w8a8 needs AVX-512 VNNI
+        del cases[name]
     if only:
         cases = {name: call for name, call in cases.items() if name.startswith(only)}
     print(f"{torch.get_num_threads()} threads; {layers} layers' matmuls a pass (SmolLM2-135M's shapes); median of "
