@@ -112,9 +112,9 @@ void widen_block(const P* block, int64_t n, int64_t D, int64_t BS, float* out) {
 }
 
 // s[j] = q . k_j for the n key rows of a block (fp32, D apart). With AVX2 and D a multiple of 64 known at compile
-// time, eight keys at a time: eight independent chains of FMAs, their lanes summed by one hadd tree (7 shuffles and
-// adds for 8 dot products instead of a horizontal sum each); elsewhere a loop the compiler vectorises, each key's
-// products summed in one chain.
+// time, eight keys at a time: eight independent chains of FMAs, their lanes summed by one hadd tree (nine shuffles
+// and adds for the eight sums, where a horizontal sum takes five for one); elsewhere a loop the compiler
+// vectorises, each key's products summed in one chain.
 template <int64_t DIM>
 inline void score_rows(const float* q, const float* k, int64_t n, int64_t D, float* s) {
 #if defined(INFERLAB_AVX2)
