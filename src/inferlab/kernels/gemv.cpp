@@ -184,11 +184,7 @@ inline void int8_tile(const int16_t* a, int64_t Kp, int64_t K, const int8_t* w, 
 #endif
 
 #if INFERLAB_GEMV_AVX2
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+using inferlab::sum_lanes8;
 
 inline int32_t hsum8(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -617,7 +613,7 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m * NB + n] = hsum8(acc[m][n]);
+    for (int n = 0; n < NB; ++n) out[m * NB + n] = sum_lanes8(acc[m][n]);
 }
 #endif
 
@@ -629,7 +625,7 @@ inline float int4_a8_offsets(const uint16_t* mn, const float* asum, int64_t grou
   for (; g + 8 <= groups; g += 8)
     acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g))),
                           _mm256_loadu_ps(asum + g), acc);
-  float s = hsum8(acc);
+  float s = sum_lanes8(acc);
   for (; g < groups; ++g) s += fp16_to_float(mn[g]) * asum[g];
   return s;
 #elif INFERLAB_GEMV_SIMD
