@@ -155,8 +155,8 @@ template <int MB, int NV>
 inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t valid) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[MB][NV];
-  for (int m = 0; m < MB; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
+  INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
+    INFERLAB_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     const uint16_t* pair = w + kp * 2 * kTile;
     if constexpr (NV == 4) {  // a whole tile: the two lines of this pair, kFp32PrefetchAhead bytes on
@@ -165,18 +165,18 @@ inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, in
       __builtin_prefetch(ahead + 64, 0, 2);
     }
     __m256 wk[NV], wk1[NV];
-    for (int v = 0; v < NV; ++v) {
+    INFERLAB_UNROLL for (int v = 0; v < NV; ++v) {
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + v * 16));
       wk[v] = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
       wk1[v] = _mm256_castsi256_ps(_mm256_and_si256(p, high));
     }
-    for (int m = 0; m < MB; ++m) {
+    INFERLAB_UNROLL for (int m = 0; m < MB; ++m) {
       const __m256 x0 = _mm256_broadcast_ss(x + m * K + 2 * kp), x1 = _mm256_broadcast_ss(x + m * K + 2 * kp + 1);
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(wk1[v], x1, _mm256_fmadd_ps(wk[v], x0, acc[m][v]));
+      INFERLAB_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(wk1[v], x1, _mm256_fmadd_ps(wk[v], x0, acc[m][v]));
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int v = 0; v < NV; ++v) {
+  INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
+    INFERLAB_UNROLL for (int v = 0; v < NV; ++v) {
       const int64_t left = valid - v * 8;
       if (left >= 8) {
         _mm256_storeu_ps(y + m * N + v * 8, acc[m][v]);
