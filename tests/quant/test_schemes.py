@@ -192,8 +192,9 @@ def test_integer_kernels_round_each_row_alone():
             assert torch.equal(layer(x[:n]), alone[:n]), (layer.scheme, n)
 
 
-# Steps of 1-2 tokens (a whole tile at a time), 3-4 (one block of tokens a line), 5 and 9 (blocks and a rest) and
-# many; 203 outputs (a last tile of 11).
+# Steps of 1-2 tokens (a whole tile at a time), 3-4 (one block of tokens a line, by chunks of 64 input pairs: 256
+# and 250 inputs are two), 5 (a block and a rest, by chunks), 9 and 120 (blocks over all of K); 203 outputs (a last
+# tile of 11).
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 9, 120])
 @pytest.mark.parametrize("in_features", [256, 250])
 def test_bf16_weights_are_fp32_arithmetic_on_the_rounded_weights(tokens, in_features):

@@ -40,6 +40,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -134,30 +135,41 @@ void run(const at::BFloat16* xp, const torch::Tensor& packed, Out* yp, int64_t M
 // The same layout under fp32 activations (quant/bf16.py), for a CPU without bf16 arithmetic (AVX2). A 256-bit load
 // of half a line holds 8 outputs' weights for inputs k and k + 1 side by side; a bf16 value is the top half of an
 // fp32 one, so a shift gives the k weights in fp32 and a mask the k + 1 ones, each multiplied by a broadcast
-// activation into 8 fp32 sums. One token takes a whole tile at a time (4 sums: the stream of weights in order);
-// more tokens take one line (16 outputs) at a time in blocks of up to 4 tokens (8 sums, 4 weights and 2
-// activations: 14 of AVX2's 16 registers), the line's weights coming back from the caches for each block. Every
-// output adds its products in one order, k then k + 1 a pair, one FMA each, whatever the block: a row comes out
-// the same bits at every step size, and the scalar build (no AVX2) computes the same bits slowly.
+// activation into 8 fp32 sums. Every output adds its products in one order, k then k + 1 a pair, one FMA each,
+// whatever the block or chunk (fp32_tile_rows): a row comes out the same bits at every step size, and the scalar
+// build (no AVX2) computes the same bits slowly.
 //
 // Whole tiles (one or two tokens) ask for the weights kFp32PrefetchAhead bytes down the stream, into L2: on the AVX2
 // EPYC that made the 30 layers 1.16-1.23x faster at two tokens and the LM head 1.05-1.15x, one token 0.96-1.05x
 // (the host's swing), in seven runs of `python benchmarks/linear_kernels.py --against 872f68d --rows 1 2` (0.5 to
 // 4 KiB ahead did no better, nor two chains of sums at one token; docs/benchmarks.md, round 25). The blocks of more
 // tokens re-read each line from the caches once a block; asking there too made 8 tokens 0.81x as fast, 64 0.55x.
+//
+// Steps of 3-7 tokens go through a tile a chunk of input pairs at a time, so the tile streams once and in order;
+// sweeping each line over all of K a block read it in two strided passes (every other 64 bytes of the tile). On a
+// Zen 1 EPYC (AVX2, 2 cores) that made the 30 layers 1.24x faster at 3 tokens, 1.17x at 4 and 1.12x at 6
+// (`python benchmarks/linear_kernels.py --against 8f5417f --only bf16`, docs/benchmarks.md, round 27). From 8
+// tokens the step is compute-bound there and chunks were 0.92x as fast (the activations' short runs): those keep
+// the full sweep. fp32_tile is inlined so that GCC allocates a block's sums as it did before the chunks (a call
+// left 5 register copies in the 4 x 2 loop and cost 7% from 8 tokens).
 constexpr int64_t kFp32Tokens = 4;
 constexpr int64_t kFp32PrefetchAhead = 2048;  // bytes
+constexpr int64_t kFp32ChunkPairs = 64;       // input pairs a chunk: 8 KiB of a tile, in L1 for every block
+constexpr int64_t kFp32ChunkTokens = 8;       // steps of fewer tokens go by chunks, more sweep all of K a block
 
+// Tokens [0, MB) x NV vectors of 8 outputs from w (a tile's first line, or its second), over input pairs [kp0,
+// kp1). The sums come from `sums` (row stride kTile floats) and go back there, or start at zero when `first`: a
+// chunk of pairs continues the sums of the chunk before it exactly, so every output adds its products in one order.
 #if defined(__AVX2__) && defined(__FMA__)
-// Tokens [0, MB) x NV vectors of 8 outputs from w (a tile's first line, or its second). `valid`: the outputs from
-// y on that exist (the last tile's rows past N are padding).
 template <int MB, int NV>
-inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t valid) {
+__attribute__((always_inline)) inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, int64_t kp0,
+                                                     int64_t kp1, float* sums, bool first) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[MB][NV];
   INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
-    INFERLAB_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
-  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    INFERLAB_UNROLL for (int v = 0; v < NV; ++v)
+      acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + m * kTile + v * 8);
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
     const uint16_t* pair = w + kp * 2 * kTile;
     if constexpr (NV == 4) {  // a whole tile: the two lines of this pair, kFp32PrefetchAhead bytes on
       const char* ahead = reinterpret_cast<const char*>(pair) + kFp32PrefetchAhead;
@@ -172,68 +184,65 @@ inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, in
     }
     INFERLAB_UNROLL for (int m = 0; m < MB; ++m) {
       const __m256 x0 = _mm256_broadcast_ss(x + m * K + 2 * kp), x1 = _mm256_broadcast_ss(x + m * K + 2 * kp + 1);
-      INFERLAB_UNROLL for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(wk1[v], x1, _mm256_fmadd_ps(wk[v], x0, acc[m][v]));
+      INFERLAB_UNROLL for (int v = 0; v < NV; ++v)
+        acc[m][v] = _mm256_fmadd_ps(wk1[v], x1, _mm256_fmadd_ps(wk[v], x0, acc[m][v]));
     }
   }
   INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
-    INFERLAB_UNROLL for (int v = 0; v < NV; ++v) {
-      const int64_t left = valid - v * 8;
-      if (left >= 8) {
-        _mm256_storeu_ps(y + m * N + v * 8, acc[m][v]);
-      } else if (left > 0) {
-        alignas(32) float tail[8];
-        _mm256_store_ps(tail, acc[m][v]);
-        std::memcpy(y + m * N + v * 8, tail, left * sizeof(float));
-      }
-    }
+    INFERLAB_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(sums + m * kTile + v * 8, acc[m][v]);
 }
 #else
 template <int MB, int NV>
-inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t valid) {
+inline void fp32_tile(const float* x, int64_t K, const uint16_t* w, int64_t kp0, int64_t kp1, float* sums,
+                      bool first) {
   const auto* bf16 = reinterpret_cast<const at::BFloat16*>(w);
   for (int m = 0; m < MB; ++m)
-    for (int64_t o = 0; o < std::min<int64_t>(valid, NV * 8); ++o) {
+    for (int64_t o = 0; o < NV * 8; ++o) {
       // output o of this pass: lane o % 8 of vector o / 8, whose pairs sit at 16 * (o / 8) + 2 * (o % 8)
       const int64_t at = 16 * (o / 8) + 2 * (o % 8);
-      float acc = 0.f;
-      for (int64_t kp = 0; kp < K / 2; ++kp) {
+      float acc = first ? 0.f : sums[m * kTile + o];
+      for (int64_t kp = kp0; kp < kp1; ++kp) {
         acc = std::fma(inferlab::load(bf16, kp * 2 * kTile + at), x[m * K + 2 * kp], acc);
         acc = std::fma(inferlab::load(bf16, kp * 2 * kTile + at + 1), x[m * K + 2 * kp + 1], acc);
       }
-      y[m * N + o] = acc;
+      sums[m * kTile + o] = acc;
     }
 }
 #endif
 
-template <int NV>
-void fp32_blocks(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t valid) {
-  for (int64_t m0 = 0; m0 < M; m0 += kFp32Tokens) {
-    const float* xm = x + m0 * K;
-    float* ym = y + m0 * N;
-    switch (std::min(kFp32Tokens, M - m0)) {
-      case 1: fp32_tile<1, NV>(xm, K, w, ym, N, valid); break;
-      case 2: fp32_tile<2, NV>(xm, K, w, ym, N, valid); break;
-      case 3: fp32_tile<3, NV>(xm, K, w, ym, N, valid); break;
-      default: fp32_tile<4, NV>(xm, K, w, ym, N, valid); break;
-    }
+// One tile for M tokens into sums [M, kTile]. One or two tokens take the whole tile at a time (4 or 8 sums: the
+// stream of weights in order). More take one line (16 outputs) at a time in blocks of up to kFp32Tokens tokens (8
+// sums, 4 weights and 2 activations: 14 of AVX2's 16 registers), under kFp32ChunkTokens a chunk of input pairs at a
+// time (a block's line comes back from L1), from there over all of K.
+void fp32_tile_rows(const float* x, int64_t M, int64_t K, const uint16_t* wt, int64_t lines, float* sums) {
+  if (M == 1) return fp32_tile<1, 4>(x, K, wt, 0, K / 2, sums, true);
+  if (M == 2) return fp32_tile<2, 4>(x, K, wt, 0, K / 2, sums, true);
+  const int64_t chunk = M < kFp32ChunkTokens ? kFp32ChunkPairs : K / 2;
+  for (int64_t kp0 = 0; kp0 < K / 2; kp0 += chunk) {
+    const int64_t kp1 = std::min(K / 2, kp0 + chunk);
+    for (int64_t j = 0; j < lines; ++j)
+      for (int64_t m0 = 0; m0 < M; m0 += kFp32Tokens) {
+        const float* xm = x + m0 * K;
+        const uint16_t* wj = wt + j * 2 * kBlock;
+        float* sm = sums + m0 * kTile + j * kBlock;
+        switch (std::min(kFp32Tokens, M - m0)) {
+          case 1: fp32_tile<1, 2>(xm, K, wj, kp0, kp1, sm, kp0 == 0); break;
+          case 2: fp32_tile<2, 2>(xm, K, wj, kp0, kp1, sm, kp0 == 0); break;
+          case 3: fp32_tile<3, 2>(xm, K, wj, kp0, kp1, sm, kp0 == 0); break;
+          default: fp32_tile<4, 2>(xm, K, wj, kp0, kp1, sm, kp0 == 0); break;
+        }
+      }
   }
 }
 
 void run_fp32(const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t tiles) {
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(M * kTile);
     for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* wt = w + t * K * kTile;
-      const int64_t left = N - t * kTile;
-      if (M <= 2) {
-        if (M == 1) {
-          fp32_tile<1, 4>(x, K, wt, y + t * kTile, N, left);
-        } else {
-          fp32_tile<2, 4>(x, K, wt, y + t * kTile, N, left);
-        }
-        continue;
-      }
-      for (int64_t j = 0; j < kTileBlocks && left > j * kBlock; ++j)
-        fp32_blocks<2>(x, M, K, wt + j * 2 * kBlock, y + t * kTile + j * kBlock, N, left - j * kBlock);
+      const int64_t valid = std::min(kTile, N - t * kTile);  // the last tile's rows past N are padding
+      fp32_tile_rows(x, M, K, w + t * K * kTile, (valid + kBlock - 1) / kBlock, sums.data());
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(y + m * N + t * kTile, sums.data() + m * kTile, valid * sizeof(float));
     }
   });
 }
