@@ -587,33 +587,29 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i two_groups = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   __m256 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
+  INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
+    INFERLAB_UNROLL for (int n = 0; n < NB; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t xo = (c / 2) * 128 + (c % 2) * 32;  // the chunk's low-nibble activations; its high ones at +64
-    __m256i lo[NB], hi[NB];
-    __m256 dv[NB];
-    for (int n = 0; n < NB; ++n) {
+    INFERLAB_UNROLL for (int n = 0; n < NB; ++n) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * ldw + 32 * c));
-      lo[n] = _mm256_and_si256(v, low4);
-      hi[n] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       int32_t pair;
       std::memcpy(&pair, d + n * ldd + 2 * c, sizeof pair);
-      dv[n] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))), two_groups);
-    }
-    for (int m = 0; m < MB; ++m) {
-      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * Ka + xo));
-      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * Ka + xo + 64));
-      const __m256 sx = _mm256_loadu_ps(sxv + (m * chunks + c) * 8);
-      for (int n = 0; n < NB; ++n) {
-        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], xlo), _mm256_maddubs_epi16(hi[n], xhi));
-        acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), _mm256_mul_ps(dv[n], sx),
+      const __m256 dv =
+          _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))), two_groups);
+      INFERLAB_UNROLL for (int m = 0; m < MB; ++m) {
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * Ka + xo));
+        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * Ka + xo + 64));
+        const __m256 sx = _mm256_loadu_ps(sxv + (m * chunks + c) * 8);
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+        acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), _mm256_mul_ps(dv, sx),
                                     acc[m][n]);
       }
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m * NB + n] = sum_lanes8(acc[m][n]);
+  INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
+    INFERLAB_UNROLL for (int n = 0; n < NB; ++n) out[m * NB + n] = sum_lanes8(acc[m][n]);
 }
 #endif
 
@@ -667,6 +663,10 @@ void int4_a8_tile_any(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, 
 #endif
 }
 
+// AVX2's int4 tile in blocks of 2 tokens: 2 x kTileRows sums beside a row's nibbles, scales and the activations
+// fit its 16 registers; 3 and 4 tokens spilled them (see docs/benchmarks.md, round 27).
+constexpr int64_t kInt4TokenBlock = INFERLAB_GEMV_AVX2 ? 2 : 4;
+
 template <typename T>
 void int4_a8_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const uint16_t* mn, T* y, int64_t M,
                          int64_t K, int64_t N) {
@@ -677,7 +677,7 @@ void int4_a8_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const 
   for_each_tile(N, K / 2, w, [&](int64_t n0, auto nb) {
     constexpr int NB = decltype(nb)::value;
     float out[4 * NB];
-    for_each_token_block(M, [&](int64_t m0, auto mb) {
+    for_each_token_block<kInt4TokenBlock>(M, [&](int64_t m0, auto mb) {
       constexpr int MB = decltype(mb)::value;
       int4_a8_tile_any<MB, NB>(a.data() + m0 * Ka, Ka, sxv.data() + m0 * groups * 4, K, w + n0 * K / 2,
                                d + n0 * groups, out);
