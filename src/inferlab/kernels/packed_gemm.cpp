@@ -64,23 +64,23 @@ inline void store16(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(
 template <int MB, int NB, bool Prefetch, typename Out>
 inline void tile(const at::BFloat16* x, int64_t K, const uint16_t* w, Out* y, int64_t N, const __mmask16* mask) {
   __m512 acc[MB][NB];
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
+    INFERLAB_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // pairs of bf16 activations
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     if constexpr (Prefetch) {  // past the tile's end, the thread's next tile: the stream goes on
       const char* ahead = reinterpret_cast<const char*>(w + kp * 2 * kTile) + kPrefetchAhead;
-      for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + 64 * j, 0, 2);
+      INFERLAB_UNROLL for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + 64 * j, 0, 2);
     }
     __m512i wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + kp * 2 * kTile + j * 2 * kBlock);
-    for (int m = 0; m < MB; ++m) {
+    INFERLAB_UNROLL for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + kp * 2 * kTile + j * 2 * kBlock);
+    INFERLAB_UNROLL for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[m * (K / 2) + kp]);
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv[j], xv);
+      INFERLAB_UNROLL for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], (__m512bh)wv[j], xv);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int j = 0; j < NB; ++j)
+  INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
+    INFERLAB_UNROLL for (int j = 0; j < NB; ++j)
       if (mask[j]) store16(y + m * N + j * kBlock, acc[m][j], mask[j]);
 }
 
