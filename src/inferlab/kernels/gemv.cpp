@@ -494,6 +494,25 @@ void quantize_int8_groups(const T* x, int64_t M, int64_t K, int8_t* a, float* sx
 #endif
 }
 
+// Q4_1's minimums' term of one output: the sum over groups of min * the group's activation sum (the
+// AVX-512 tile adds it in its own lanes instead, before its one horizontal sum).
+inline float int4_a8_offsets(const uint16_t* mn, const float* asum, int64_t groups) {
+#if INFERLAB_GEMV_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g))),
+                          _mm256_loadu_ps(asum + g), acc);
+  float s = sum_lanes8(acc);
+  for (; g < groups; ++g) s += fp16_to_float(mn[g]) * asum[g];
+  return s;
+#else
+  float s = 0.f;
+  for (int64_t g = 0; g < groups; ++g) s += fp16_to_float(mn[g]) * asum[g];
+  return s;
+#endif
+}
+
 #if INFERLAB_GEMV_SIMD
 // u8 x s8 products summed in fours into int32 lanes; without VNNI, pairs summed in int16 first (at most
 // 2 * 15 * 128: no saturation), then pairs of those.
@@ -515,8 +534,8 @@ inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
 
 // Two 32-byte chunks (four groups) a step in 512-bit registers, an odd last chunk in their low halves.
 template <int MB, int NB>
-inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w,
-                         const uint16_t* d, float* out /*[MB][NB]*/) {
+inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, const float* asum, int64_t K,
+                         const uint8_t* w, const uint16_t* d, const uint16_t* mn, float* out /*[MB][NB]*/) {
   const int64_t ldw = K / 2, ldd = K / 32, chunks = K / 64;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i four_groups = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -571,8 +590,18 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
       }
     }
   }
+  // The minimums' term (min x the group's activation sum, summed over groups) joins the sums' lanes, so one
+  // horizontal sum an output serves both.
   for (int m = 0; m < MB; ++m)
-    for (int n = 0; n < NB; ++n) out[m * NB + n] = _mm512_reduce_add_ps(acc[m][n]);
+    for (int n = 0; n < NB; ++n) {
+      __m512 s = acc[m][n];
+      for (int64_t g = 0; g < ldd; g += 16) {
+        const __mmask16 mask = inferlab::first_lanes(ldd - g);
+        s = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mn + n * ldd + g)),
+                            _mm512_maskz_loadu_ps(mask, asum + m * ldd + g), s);
+      }
+      out[m * NB + n] = _mm512_reduce_add_ps(s);
+    }
 }
 #endif
 
@@ -581,8 +610,8 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
 // int16 (the low and high nibbles' sums added there too: at most 4 * 15 * 127, no saturation), vpmaddwd adds pairs
 // of those into the int32 lanes, 0-3 the chunk's first group and 4-7 its second.
 template <int MB, int NB>
-inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w,
-                         const uint16_t* d, float* out /*[MB][NB]*/) {
+inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, const float* asum, int64_t K,
+                         const uint8_t* w, const uint16_t* d, const uint16_t* mn, float* out /*[MB][NB]*/) {
   const int64_t ldw = K / 2, ldd = K / 32, chunks = K / 64;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i two_groups = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -609,41 +638,16 @@ inline void int4_a8_tile(const int8_t* a, int64_t Ka, const float* sxv, int64_t 
     }
   }
   INFERLAB_UNROLL for (int m = 0; m < MB; ++m)
-    INFERLAB_UNROLL for (int n = 0; n < NB; ++n) out[m * NB + n] = sum_lanes8(acc[m][n]);
+    INFERLAB_UNROLL for (int n = 0; n < NB; ++n)
+      out[m * NB + n] = sum_lanes8(acc[m][n]) + int4_a8_offsets(mn + n * ldd, asum + m * ldd, ldd);
 }
 #endif
-
-// sum over groups of m * asum for one row and token.
-inline float int4_a8_offsets(const uint16_t* mn, const float* asum, int64_t groups) {
-#if INFERLAB_GEMV_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= groups; g += 8)
-    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g))),
-                          _mm256_loadu_ps(asum + g), acc);
-  float s = sum_lanes8(acc);
-  for (; g < groups; ++g) s += fp16_to_float(mn[g]) * asum[g];
-  return s;
-#elif INFERLAB_GEMV_SIMD
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 mask = groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (groups - g)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, mn + g)),
-                          _mm512_maskz_loadu_ps(mask, asum + g), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#else
-  float s = 0.f;
-  for (int64_t g = 0; g < groups; ++g) s += fp16_to_float(mn[g]) * asum[g];
-  return s;
-#endif
-}
 
 template <int MB, int NB>
-void int4_a8_tile_any(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, const uint8_t* w, const uint16_t* d,
-                      float* out) {
+void int4_a8_tile_any(const int8_t* a, int64_t Ka, const float* sxv, const float* asum, int64_t K, const uint8_t* w,
+                      const uint16_t* d, const uint16_t* mn, float* out) {
 #if INFERLAB_GEMV_SIMD || INFERLAB_GEMV_AVX2
-  int4_a8_tile<MB, NB>(a, Ka, sxv, K, w, d, out);
+  int4_a8_tile<MB, NB>(a, Ka, sxv, asum, K, w, d, mn, out);
 #else
   const int64_t ldw = K / 2, ldd = K / 32;
   for (int m = 0; m < MB; ++m)
@@ -658,7 +662,7 @@ void int4_a8_tile_any(const int8_t* a, int64_t Ka, const float* sxv, int64_t K, 
         }
         s += static_cast<float>(dot) * (fp16_to_float(d[n * ldd + g]) * sxv[(m * K / 32 + g) * 4]);
       }
-      out[m * NB + n] = s;
+      out[m * NB + n] = s + int4_a8_offsets(mn + n * ldd, asum + m * ldd, ldd);
     }
 #endif
 }
@@ -679,12 +683,10 @@ void int4_a8_linear_impl(const T* x, const uint8_t* w, const uint16_t* d, const 
     float out[4 * NB];
     for_each_token_block<kInt4TokenBlock>(M, [&](int64_t m0, auto mb) {
       constexpr int MB = decltype(mb)::value;
-      int4_a8_tile_any<MB, NB>(a.data() + m0 * Ka, Ka, sxv.data() + m0 * groups * 4, K, w + n0 * K / 2,
-                               d + n0 * groups, out);
+      int4_a8_tile_any<MB, NB>(a.data() + m0 * Ka, Ka, sxv.data() + m0 * groups * 4, asum.data() + m0 * groups, K,
+                               w + n0 * K / 2, d + n0 * groups, mn + n0 * groups, out);
       for (int m = 0; m < MB; ++m)
-        for (int n = 0; n < NB; ++n)
-          store(y, (m0 + m) * N + n0 + n,
-                out[m * NB + n] + int4_a8_offsets(mn + (n0 + n) * groups, asum.data() + (m0 + m) * groups, groups));
+        for (int n = 0; n < NB; ++n) store(y, (m0 + m) * N + n0 + n, out[m * NB + n]);
     });
   });
 }
