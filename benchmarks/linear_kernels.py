@@ -40,6 +40,13 @@ alternately: each matrix a tensor of its own, as loading leaves them, and all of
 huge-page mapping in the order a step reads them (layers/packed_linear.py: place_streamed_weights).
 
     python benchmarks/linear_kernels.py --placement --rows 1 4 16 64
+
+`--per-shape` times the packed bf16 kernel at one row on each of a layer's four shapes alone and on the LM head,
+each as enough copies end to end on one huge-page mapping to pass 128 MB (out of the caches), beside a sum over a
+buffer of the same bytes (the lab's bandwidth probe), pass by pass alternately: what a call's size costs the
+kernel against a plain stream. "us over the stream" is a call's time less its bytes at the sum's rate.
+
+    python benchmarks/linear_kernels.py --per-shape
 """
 
 from __future__ import annotations
@@ -80,7 +87,12 @@ def main() -> None:
     ap.add_argument("--placement", action="store_true", help="each weight its own tensor against one huge-page "
                                                              "mapping for all")
     ap.add_argument("--fp32", action="store_true", help="the fp32 paths of a CPU without AVX-512 BF16")
+    ap.add_argument("--per-shape", action="store_true", help="the packed bf16 kernel at one row, shape by shape, "
+                                                             "against a sum over the same bytes")
     args = ap.parse_args()
+    if args.per_shape:
+        per_shape()
+        return
     if args.fp32:
         fp32_paths(args.rows, args.layers)
         return
@@ -316,6 +328,38 @@ def against(rev: str, rows: list[int], layers: int, passes: int, only: str | Non
         compare("bf16 LM head, fp32 out", 1, lambda mod: [mod.packed_linear(x, packs[mod][-1], 49152, True)])
     share = machine.stop()["foreign_cpu_share"]
     print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
+
+
+def per_shape(min_bytes: int = 128 * 10**6) -> None:
+    import math
+
+    from inferlab.common.host_memory import huge_page_copies
+
+    kernels = gemv_kernels()
+    if kernels is None:
+        raise SystemExit("the packed kernels need AVX-512 with BF16 on this machine")
+    g = torch.Generator().manual_seed(0)
+    print(f"{torch.get_num_threads()} threads; one row; best of 21 passes over the copies, each followed by a sum")
+    print("| shape (out x in) | copies | MB a call | us a call | GB/s | fp32 sum of the same bytes, GB/s "
+          "| us over the stream |")
+    print("|---|---|---|---|---|---|---|")
+    for o, i in [*SHAPES, (49152, 576)]:
+        size = o * i * 2
+        n = math.ceil(min_bytes / size)
+        packs = huge_page_copies([pack_bf16(torch.randn(o, i, generator=g).bfloat16()) for _ in range(n)])
+        x = torch.randn(1, i, generator=g).bfloat16()
+        flat = huge_page_copies([torch.ones(n * size // 4)])[0]
+        t = ts = float("inf")
+        for _ in range(21):  # alternately: the host's bandwidth moves within seconds
+            t0 = time.perf_counter()
+            for p in packs:
+                kernels.packed_linear(x, p, o, False)
+            t1 = time.perf_counter()
+            flat.sum()
+            t, ts = min(t, t1 - t0), min(ts, time.perf_counter() - t1)
+        sum_rate = n * size / ts
+        print(f"| {o} x {i} | {n} | {size / 1e6:.2f} | {t / n * 1e6:.1f} | {n * size / t / 1e9:.1f} | "
+              f"{sum_rate / 1e9:.1f} | {(t / n - size / sum_rate) * 1e6:.1f} |", flush=True)
 
 
 def placement(rows: list[int], layers: int, passes: int) -> None:
