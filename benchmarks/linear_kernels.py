@@ -333,6 +333,7 @@ def against(rev: str, rows: list[int], layers: int, passes: int, only: str | Non
 def per_shape(min_bytes: int = 128 * 10**6) -> None:
     import math
 
+    from inferlab.bench.machine import MachineSampler
     from inferlab.common.host_memory import huge_page_copies
 
     kernels = gemv_kernels()
@@ -343,6 +344,8 @@ def per_shape(min_bytes: int = 128 * 10**6) -> None:
     print("| shape (out x in) | copies | MB a call | us a call | GB/s | fp32 sum of the same bytes, GB/s "
           "| us over the stream |")
     print("|---|---|---|---|---|---|---|")
+    machine = MachineSampler()
+    machine.start()
     for o, i in [*SHAPES, (49152, 576)]:
         size = o * i * 2
         n = math.ceil(min_bytes / size)
@@ -360,6 +363,8 @@ def per_shape(min_bytes: int = 128 * 10**6) -> None:
         sum_rate = n * size / ts
         print(f"| {o} x {i} | {n} | {size / 1e6:.2f} | {t / n * 1e6:.1f} | {n * size / t / 1e9:.1f} | "
               f"{sum_rate / 1e9:.1f} | {(t / n - size / sum_rate) * 1e6:.1f} |", flush=True)
+    share = machine.stop()["foreign_cpu_share"]
+    print(f"other processes' CPU over the run: {'unknown' if share is None else f'{100 * share:.1f}%'}")
 
 
 def placement(rows: list[int], layers: int, passes: int) -> None:
