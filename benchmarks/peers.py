@@ -69,6 +69,10 @@ WORKLOADS = {
     "prefill": (8, 24, 1000, 128),
 }
 
+# The interleaved c1 rounds' prompt texts: round r draws its words from C1_ROUND_TEXT_SEED + r (see run_bench), apart
+# from the workloads' own (1 + their index in WORKLOADS).
+C1_ROUND_TEXT_SEED = 100
+
 
 @dataclass
 class Target:
@@ -210,7 +214,7 @@ def interleaved_c1(names: list[str], model: str, rounds: int, ready_timeout: flo
                 cpu0 = {n: tree_jiffies(p.pid) for n, (p, _, _) in up.items()}
                 _, tot0 = cpu_jiffies()
                 res, busy, _ = run_bench(base, t.model_name, "c1", Path(tempfile.mkdtemp(prefix=f"peer-{name}-c1r-")),
-                                         quick)
+                                         quick, text_seed=C1_ROUND_TEXT_SEED + r)
                 _, tot1 = cpu_jiffies()
                 used = {n: (tree_jiffies(p.pid) - cpu0[n]) / max(1, tot1 - tot0) for n, (p, _, _) in up.items()}
                 rnd[name] = summarize(res) | {"machine_busy_frac": busy, "server_cpu_frac": used[name],
@@ -314,16 +318,24 @@ class PeakMemory:
             pass
 
 
-def run_bench(base_url: str, model: str | None, wl: str, outdir: Path,
-              quick: bool) -> tuple[dict, float, float]:
-    """The bench's results, the machine's busy fraction while it ran, and the bench client's own CPU seconds."""
+def run_bench(base_url: str, model: str | None, wl: str, outdir: Path, quick: bool,
+              text_seed: int) -> tuple[dict, float, float]:
+    """The bench's results, the machine's busy fraction while it ran, and the bench client's own CPU seconds.
+
+    `text_seed` draws the prompts' words (bench's --text-seed; the lengths stay the workload's): every server keeps
+    the prompts it has prefilled (inferlab's and vLLM's prefix caches, llama-server's prompt cache), so a run whose
+    prompts an earlier run on the same server sent measures the cache, not the prefill. With one seed for all,
+    c16's first 16 prompts were c1's 12 and more, and each interleaved c1 round after the first found all of its
+    prompts cached: llama-server's TTFT p50 fell from ~280 ms in round 1 to ~30 after it (round 28). Each workload
+    and each round has its own; the targets all get the same text for the same run."""
     conc, n, inp, out = WORKLOADS[wl]
     if quick:
         n = max(2 * conc, n // 3 // conc * conc)
     warmup = conc
     cmd = [sys.executable, "-m", "inferlab", "bench", "--base-url", base_url, "--concurrency", str(conc),
            "--num-requests", str(n - warmup), "--input-len", str(inp), "--output-len", str(out), "--ignore-eos",
-           "--warmup", str(warmup), "--output-dir", str(outdir), "--quiet", "--no-html"]
+           "--warmup", str(warmup), "--text-seed", str(text_seed), "--output-dir", str(outdir), "--quiet",
+           "--no-html"]
     if model:
         cmd += ["--model", model]
     busy0, tot0 = cpu_jiffies()
@@ -391,7 +403,8 @@ def main() -> int:
                     server0, threads0 = tree_jiffies(proc.pid), thread_jiffies(proc.pid)
                     busy0, tot0 = cpu_jiffies()
                     with PeakMemory(proc.pid) as peak:
-                        res, busy_frac, client_s = run_bench(base, t.model_name, wl, outdir, args.quick)
+                        res, busy_frac, client_s = run_bench(base, t.model_name, wl, outdir, args.quick,
+                                                            text_seed=list(WORKLOADS).index(wl) + 1)
                     busy1, tot1 = cpu_jiffies()
                     server_frac = (tree_jiffies(proc.pid) - server0) / max(1, tot1 - tot0)
                     threads = {n: (j - threads0.get(n, 0)) / HZ for n, j in thread_jiffies(proc.pid).items()}
