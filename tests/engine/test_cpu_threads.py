@@ -53,14 +53,17 @@ def test_a_stalling_team_falls_back_and_returns_when_quiet():
     sim = Sim([2, 1])
     sim.run(1.0, QUIET.get)
     assert sim.calls == [] and sim.adapter.threads == 2
-    sim.run(10.0, AUTOGROUP.get)  # the neighbour arrives
+    sim.foreign = 1.0
+    sim.run(10.0, AUTOGROUP.get)  # the neighbour arrives: a busy loop in another session, 1.0 CPU of 2
     assert sim.adapter.threads == 1
     assert sim.reasons()[0] == "stall"
     assert sim.adapter.fallbacks == {"stall": 1}
+    assert "other processes used 1.0 of 2 CPUs" in sim.adapter.decisions[0].detail
     # While the neighbour stays, probes of 2 threads stall at their first step and are abandoned, backing off.
     probes = sim.reasons().count("probe")
     assert probes >= 1 and sim.reasons().count("probe_failed") == probes
     assert all(t == 1 for t in sim.calls[-1:])
+    sim.foreign = 0.0
     sim.run(70.0, QUIET.get)  # the neighbour has gone: the next probe succeeds
     assert sim.adapter.threads == 2
     assert sim.reasons()[-1] == "quiet"
@@ -69,7 +72,7 @@ def test_a_stalling_team_falls_back_and_returns_when_quiet():
 
 
 def test_probes_back_off_while_the_machine_stays_busy():
-    sim = Sim([2, 1])
+    sim = Sim([2, 1], foreign=1.0)
     sim.run(1.0, QUIET.get)
     sim.run(200.0, AUTOGROUP.get)
     failed = [d.time for d in sim.adapter.decisions if d.reason == "probe_failed"]
@@ -112,13 +115,50 @@ def test_slow_steps_step_down_only_where_another_process_or_a_quota_holds_a_core
 
 
 def test_a_probe_that_is_faster_though_not_quiet_wins():
-    sim = Sim([4, 2, 1])
+    sim = Sim([4, 2, 1], foreign=1.0)
     sim.run(1.0, {4: 0.010, 2: 0.014, 1: 0.02}.get)
     sim.run(5.0, {4: 0.5, 2: 0.5, 1: 0.03}.get)  # even 2 threads stall: down two levels
     assert sim.adapter.threads == 1
     sim.run(20.0, {4: 0.5, 2: 0.018, 1: 0.03}.get)  # 2 threads now beat 1, 4 still stall
     assert sim.adapter.threads == 2
     assert "faster" in sim.reasons()
+
+
+def test_stalls_with_no_core_held_keep_the_team():
+    # A quiet host's hiccup: steps 10-60x their quiet time for a moment, no other process busy. Fewer threads cannot
+    # help, and the probes back to two would have to win on a noisy host.
+    sim = Sim([2, 1], foreign=0.1)
+    sim.run(1.0, QUIET.get)
+    for dt in (0.11, 0.62):
+        sim.now += dt
+        sim.adapter.observe(16, dt)
+    sim.run(5.0, QUIET.get)
+    assert sim.calls == [] and sim.adapter.fallbacks == {} and sim.adapter.kept_stalls == 1
+
+
+def test_what_others_did_while_we_idled_is_not_evidence():
+    # Other servers load (1.5 CPUs of 2) while this one idles for a minute; then, alone, its first steps stall.
+    busy_until = [0.0]
+    last = [0.0]
+
+    def read() -> Contention | None:  # other processes' CPUs, averaged over the window since the last read
+        lo, hi = last[0], sim.now
+        last[0] = hi
+        if hi <= lo:
+            return None
+        return Contention(hi - lo, 1.5 * max(0.0, min(hi, busy_until[0]) - lo) / (hi - lo), 2)
+
+    sim = Sim([2, 1])
+    sim.adapter.contention = read
+    sim.run(1.0, QUIET.get)
+    sim.now += 60.0
+    busy_until[0] = sim.now
+    for dt in (0.11, 0.62, 0.3):  # the stall's window is its second step: nobody else ran then
+        sim.now += dt
+        sim.adapter.observe(16, dt)
+    assert sim.adapter.threads == 2 and sim.adapter.kept_stalls == 1
+    sim.run(1.0, {2: 0.02, 1: 0.016}.get)  # slow (x2), after the idle spell: no evidence either
+    assert sim.calls == [] and sim.adapter.fallbacks == {}
 
 
 def test_a_server_started_beside_a_busy_neighbour_starts_with_fewer_threads():

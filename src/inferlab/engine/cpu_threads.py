@@ -8,10 +8,15 @@ thread fewer per region degrades in proportion to the CPU lost instead.
 
 The signal is the step time itself, relative to what a step of the same size (tokens, bucketed by powers of two)
 took at the full thread count: it measures exactly what users feel, and compares thread counts on the machine as it
-is now. Two steps in a row four times slower ("stall") step down at once; a median 1.8x slower ("slow") steps down
-only where another process competed for our cores or a CPU quota throttled us meanwhile (engine/cpu_contention.py):
-on a quiet machine the host's own noise made steps that slow for a moment, and 3 of 8 quiet peers.py servers fell
-back to one thread for seconds or for good (measured), where fewer threads could not help. A server started beside a
+is now. Two steps in a row four times slower ("stall") step down at once, and a median 1.8x slower ("slow") after a
+window of steps, but either only where another process competed for our cores or a CPU quota throttled us
+meanwhile (engine/cpu_contention.py): on a quiet machine the host's own noise made steps that slow for a moment,
+and 3 of 8 quiet peers.py servers fell back to one thread for seconds or for good (measured), where fewer threads
+could not help. A stall is judged on the second stalled step alone (the meter is read at the end of the first), and
+every window's evidence starts after an idle spell, not before it: a server idle while its neighbours load and then
+serving on a quiet machine had its first two steps take x11 and x62 their quiet time, fell back to one thread with no
+other process busy, and served one stream at 11 ms a token instead of 7 for the next two minutes (issue 19, round
+29: its probes kept failing on the noisy host). A server started beside a
 busy neighbour never sees a quiet step, so before the model loads it reads what other processes use and starts with
 fewer threads when they hold a core ("contended"). The way back is measured: after a hold time the engine probes one
 level up; a probe that stalls ends at once and doubles the hold (2 s to 64 s), so probing a busy machine costs a
@@ -44,6 +49,7 @@ log = logging.getLogger("inferlab.engine")
 CHECK_EVERY = 8  # steps per window: a decision reads the median of this many step-time ratios
 DEGRADED = 1.8  # median step time over the quiet reference that means the team stalls (1 thread of 2 is ~1.6x)
 STALL = 4.0  # two steps in a row this slow: step down at once (a stalled step may take a second)
+IDLE = 1.0  # seconds between steps beyond their own time that make an idle spell (no steps: nothing to judge)
 RECOVER = 1.3  # a winning probe this close to the quiet reference is logged as "quiet", else as "faster"
 BETTER = 0.85  # a setting must be this much faster than the other to count as faster
 HOLD_MIN, HOLD_MAX = 2.0, 64.0  # seconds before probing more threads; doubled after each failed probe
@@ -82,11 +88,13 @@ class ThreadAdapter:
     decisions: list[ThreadDecision] = field(default_factory=list)
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count of steps down
     recoveries: int = 0
+    kept_stalls: int = 0  # stalls with no other process holding a core: the team kept
     _ref: dict[int, float] = field(default_factory=dict)  # size bucket -> quiet step time at levels[0]
     _window: list[float] = field(default_factory=list)  # step time / quiet reference, since the last change
     _compare: float = 0.0  # median ratio of the setting a probe is measured against
     _hold: float = HOLD_MIN
     _probe_at: float = 0.0
+    _last_step_end: float | None = None
 
     @property
     def threads(self) -> int:
@@ -95,6 +103,10 @@ class ThreadAdapter:
     def observe(self, num_tokens: int, seconds: float) -> None:
         if not self.adaptive or len(self.levels) < 2:
             return
+        now = self.clock()
+        if self._last_step_end is None or now - self._last_step_end > seconds + IDLE:
+            self.contention()  # what others did while we idled says nothing about the steps to come
+        self._last_step_end = now
         bucket = num_tokens.bit_length()
         ref = self._ref.get(bucket)
         if ref is None:
@@ -110,7 +122,19 @@ class ThreadAdapter:
         if self.mode == "probe":
             self._on_probe()
         elif len(w) >= 2 and w[-1] > STALL and w[-2] > STALL and self.level + 1 < len(self.levels):
-            self._down("stall", f"two steps in a row took x{w[-2]:.1f} and x{w[-1]:.1f} the quiet time of their size")
+            held = self.contention()  # over the second stalled step: read at the end of the first (below)
+            stalled = f"two steps in a row took x{w[-2]:.1f} and x{w[-1]:.1f} the quiet time of their size"
+            if self._held(held):
+                self._down("stall", stalled + self._evidence(held))
+            else:
+                self._window.clear()
+                self.kept_stalls += 1
+                # A host that stalls again and again would log every other step: the 1st, 2nd, 4th, 8th... time.
+                level = logging.INFO if self.kept_stalls & (self.kept_stalls - 1) == 0 else logging.DEBUG
+                log.log(level, "cpu threads kept at %d (stall %d with no core held): %s%s", self.threads,
+                        self.kept_stalls, stalled, self._evidence(held))
+        elif w[-1] > STALL:
+            self.contention()  # the next step's evidence starts here
         elif len(w) >= CHECK_EVERY:
             self._check(statistics.median(w))
 
@@ -136,11 +160,10 @@ class ThreadAdapter:
     def _check(self, m: float) -> None:
         now = self.clock()
         if self.level == 0:
-            held = self.contention()  # since the previous check or change: this window
-            if m > DEGRADED and (held is None or held.foreign_cpus >= HELD_CORE or held.throttled >= THROTTLED):
-                why = "" if held is None else (f"; other processes used {held.foreign_cpus:.1f} of {held.cpus} "
-                                               f"CPUs, a quota throttled us {held.throttled:.0%} of the time")
-                self._down("slow", f"steps took x{m:.2f} the quiet time of their size (median of {CHECK_EVERY}){why}")
+            held = self.contention()  # since the previous check or change (or idle spell): this window
+            if m > DEGRADED and self._held(held):
+                self._down("slow", f"steps took x{m:.2f} the quiet time of their size (median of {CHECK_EVERY})"
+                                   + self._evidence(held))
             self._window.clear()
         elif m > STALL and self.level + 1 < len(self.levels):
             self._down("stall", f"still x{m:.1f} the quiet time at {self.threads} threads")
@@ -150,6 +173,16 @@ class ThreadAdapter:
                                                            f"(now x{m:.2f} the quiet time)")
         else:
             self._window.clear()
+
+    @staticmethod
+    def _held(c: Contention | None) -> bool:
+        """Whether another process held one of our cores or a quota throttled us (no meter: assume so)."""
+        return c is None or c.foreign_cpus >= HELD_CORE or c.throttled >= THROTTLED
+
+    @staticmethod
+    def _evidence(c: Contention | None) -> str:
+        return "" if c is None else (f"; other processes used {c.foreign_cpus:.1f} of {c.cpus} CPUs, a quota "
+                                     f"throttled us {c.throttled:.0%} of the time")
 
     def _on_probe(self) -> None:
         w, fallback = self._window, self.level + 1
