@@ -325,9 +325,9 @@ def run_bench(base_url: str, model: str | None, wl: str, outdir: Path, quick: bo
     `text_seed` draws the prompts' words (bench's --text-seed; the lengths stay the workload's): every server keeps
     the prompts it has prefilled (inferlab's and vLLM's prefix caches, llama-server's prompt cache), so a run whose
     prompts an earlier run on the same server sent measures the cache, not the prefill. With one seed for all,
-    c16's first 16 prompts were c1's 12 and more, and each interleaved c1 round after the first found all of its
-    prompts cached: llama-server's TTFT p50 fell from ~280 ms in round 1 to ~30 after it (round 28). Each workload
-    and each round has its own; the targets all get the same text for the same run."""
+    c16's first prompts were c1's, and each interleaved c1 round after the first found all of its prompts cached
+    (llama-server, 128-token prompts: TTFT p50 432 ms, then 16.5 ms for the same text; docs/benchmarks.md, round
+    29). Each workload and each round has its own; the targets all get the same text for the same run."""
     conc, n, inp, out = WORKLOADS[wl]
     if quick:
         n = max(2 * conc, n // 3 // conc * conc)

@@ -122,7 +122,10 @@ class ThreadAdapter:
         if self.mode == "probe":
             self._on_probe()
         elif len(w) >= 2 and w[-1] > STALL and w[-2] > STALL and self.level + 1 < len(self.levels):
-            held = self.contention()  # over the second stalled step: read at the end of the first (below)
+            # Over the second stalled step, read at the end of the first (below). /proc counts 10 ms ticks, so a
+            # stall of ~30 ms reads other processes' CPU to ~0.35 either way; a misread steps down, as every stall
+            # used to.
+            held = self.contention()
             stalled = f"two steps in a row took x{w[-2]:.1f} and x{w[-1]:.1f} the quiet time of their size"
             if self._held(held):
                 self._down("stall", stalled + self._evidence(held))
