@@ -13,14 +13,14 @@ window of steps, but either only where another process competed for our cores or
 meanwhile (engine/cpu_contention.py): on a quiet machine the host's own noise made steps that slow for a moment,
 and 3 of 8 quiet peers.py servers fell back to one thread for seconds or for good (measured), where fewer threads
 could not help. A stall is judged on the second stalled step alone (the meter is read at the end of the first), and
-every window's evidence starts after an idle spell, not before it: a server idle while its neighbours load and then
-serving on a quiet machine had its first two steps take x11 and x62 their quiet time, fell back to one thread with no
-other process busy, and served one stream at 11 ms a token instead of 7 until a probe won, two minutes and two
-measured runs later (issue 19, round 29). A server started beside a busy neighbour never sees a quiet step, so
-before the model loads it reads what other processes use and starts with fewer threads when they hold a core
-("contended"). The way back is measured: after a hold time the engine probes one level up; a probe that stalls
-ends at once and doubles the hold (2 s to 64 s), so probing a busy machine costs a step or so per minute, and a
-probe that runs faster than the fallback stays.
+every window's evidence starts after an idle spell, not before it: a server that had idled while its neighbours
+loaded, then served on a quiet machine, had two steps in a row take x11 and x62 their quiet time, fell back to one
+thread with no other process busy, and served one stream at 11 ms a token instead of 7 until a probe won, two
+minutes and two measured runs later (issue 19, round 29). A server started beside a busy neighbour never sees a
+quiet step, so before the model loads it reads what other processes use and starts with fewer threads when they
+hold a core ("contended"). The way back is measured: after a hold time the engine probes one level up; a probe
+that stalls ends at once and doubles the hold (2 s to 64 s), so probing a busy machine costs a step or so per
+minute, and a probe that runs faster than the fallback stays.
 
 Our threads' wait for a CPU (schedstat run_delay) was tried as a running signal and dropped: on a quiet machine the
 server's own event loop and the bench client made two threads wait 27-43% of the time, as a neighbour would, and
