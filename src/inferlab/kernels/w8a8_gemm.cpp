@@ -15,8 +15,11 @@
 // corr = 128 sum_g s_g sum(a_g), one number per token.
 //
 // A tile of 3 blocks x 4 tokens keeps 12 int32 and 12 fp32 accumulators in registers; tiles of outputs are split
-// over the threads and every tile runs all the step's tokens, so its weights (48 bytes a input) stay in L2. No
-// software prefetch, as in packed_gemm.cpp: asking for the whole tile first was 0-12% slower at 1-64 tokens.
+// over the threads and every tile runs all the step's tokens, so its weights (48 bytes a input) stay in L2. Asking
+// for the whole tile first was 0-12% slower at 1-64 tokens. From 16 tokens on, each group of 4 asks instead for its
+// share of the thread's next tile, into L2, so that tile's first group does not wait on memory: the 30 layers
+// 1.04-1.06x faster at 16 tokens, 1.06-1.09x at 64, 1.00-1.02x at 1-8 and 128-256 in two runs on the Zen 4 EPYC
+// (`python benchmarks/linear_kernels.py --against REV --only w8a8`, docs/benchmarks.md, round 30).
 
 #include "cpu_common.h"
 
@@ -33,6 +36,7 @@ constexpr int64_t kBlock = 16;      // outputs per packed block
 constexpr int64_t kTileBlocks = 3;  // blocks per tile: 48 outputs (SmolLM2's and Gemma 3's widths are multiples)
 constexpr int64_t kTokens = 4;      // tokens per register tile
 constexpr int64_t kGroup = 32;      // inputs per activation scale
+constexpr int64_t kPrefetchFrom = 16;  // tokens a step from which a tile asks for the next one (see the header)
 
 #if defined(INFERLAB_AVX512_BF16)
 using inferlab::load16;
@@ -120,13 +124,20 @@ inline void tile(const int8_t* a, const float* s, const float* corr, int64_t K, 
   }
 }
 
+// next, next_bytes: the thread's next tile's weights, asked for into L2 a share before each group of tokens (none
+// where next is null).
 template <int NB, typename Out, typename S>
 void tile_rows(const int8_t* a, const float* s, const float* corr, int64_t M, int64_t K, const uint8_t* w,
-               int64_t block_bytes, const S* scale, Out* y, int64_t N, __mmask16 last_mask) {
+               int64_t block_bytes, const S* scale, Out* y, int64_t N, __mmask16 last_mask, const uint8_t* next,
+               int64_t next_bytes) {
   const int64_t groups = K / kGroup;
+  const int64_t share = next ? (next_bytes / 64 / (M / kTokens) + 1) * 64 : 0;
   int64_t m = 0;
-  for (; m + kTokens <= M; m += kTokens)
+  for (int64_t asked = 0; m + kTokens <= M; m += kTokens) {
+    for (const int64_t end = std::min(next_bytes, asked + share); asked < end; asked += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + asked), _MM_HINT_T1);
     tile<kTokens, NB>(a + m * K, s + m * groups, corr + m, K, w, block_bytes, scale, y + m * N, N, last_mask);
+  }
   const int8_t* am = a + m * K;
   const float *sm = s + m * groups, *cm = corr + m;
   Out* ym = y + m * N;
@@ -151,10 +162,13 @@ void run(const int8_t* a, const float* s, const float* corr, const uint8_t* w, i
       const uint8_t* wt = w + b0 * block_bytes;
       const S* st = scale + b0 * kBlock;
       Out* yt = y + b0 * kBlock;
+      const bool ask = M >= kPrefetchFrom && t + 1 < end;
+      const uint8_t* next = ask ? wt + nb * block_bytes : nullptr;
+      const int64_t next_bytes = ask ? std::min(kTileBlocks, blocks - b0 - nb) * block_bytes : 0;
       switch (nb) {
-        case 3: tile_rows<3>(a, s, corr, M, K, wt, block_bytes, st, yt, N, last); break;
-        case 2: tile_rows<2>(a, s, corr, M, K, wt, block_bytes, st, yt, N, last); break;
-        default: tile_rows<1>(a, s, corr, M, K, wt, block_bytes, st, yt, N, last); break;
+        case 3: tile_rows<3>(a, s, corr, M, K, wt, block_bytes, st, yt, N, last, next, next_bytes); break;
+        case 2: tile_rows<2>(a, s, corr, M, K, wt, block_bytes, st, yt, N, last, next, next_bytes); break;
+        default: tile_rows<1>(a, s, corr, M, K, wt, block_bytes, st, yt, N, last, next, next_bytes); break;
       }
     }
   });
