@@ -43,3 +43,11 @@ def test_a_record_the_server_has_no_request_for_is_left_out():
     assert sorted(split_ttft([rec, other], ORIGIN, [row])) == [0]
     early = {**row, "a": ORIGIN - 0.5, "q": ORIGIN - 0.5}  # received before bench sent it: another request
     assert split_ttft([rec], ORIGIN, [early]) == {}
+
+
+def test_a_record_never_pairs_with_a_request_served_after_its_first_token():
+    rec, _ = request(0, 0.0, 100, 0.002, 0.001, 0.050, 0.003)  # its own line is missing from the trace
+    _, later = request(1, 52.0, 100, 0.002, 0.001, 0.050, 0.003)  # a later run's request of the same length
+    assert split_ttft([rec], ORIGIN, [later]) == {}
+    _, own = request(0, 0.0, 100, 0.002, 0.001, 0.050, 0.003)
+    assert split_ttft([rec], ORIGIN, [later, own])[0].out == pytest.approx(0.003, abs=1e-9)

@@ -39,20 +39,22 @@ class TTFTSplit:
 def split_ttft(records: list[RequestRecord], clock_origin: float, served: list[dict]) -> dict[int, TTFTSplit]:
     """Record index -> its parts, for the measured records with a first token. Each record pairs with the first
     unpaired finished request of its prompt length (the server's usage) that the server received after bench sent
-    it; a record with no such request is left out."""
+    it and sampled a first token for before bench read one; a record with no such request is left out. (Without
+    the second bound, a record whose own request was missing from the trace paired with a later run's request of
+    its length: a calibration on the Zen 4 EPYC kept a delivery of -52 s and validate refused its profile.)"""
     free = sorted((r for r in served if "f" in r and "q" in r), key=lambda r: r["a"])
     out = {}
     for rec in sorted(records, key=lambda r: r.sent if r.sent is not None else float("inf")):
         ttft = metrics.ttft(rec)
         if rec.warmup or ttft is None or rec.sent is None or rec.start is None:
             continue
-        sent = clock_origin + rec.sent
+        sent, start = clock_origin + rec.sent, clock_origin + rec.start
         for i, row in enumerate(free):
-            if row["n"] == rec.prompt_tokens and row["a"] >= sent - MATCH_SLACK:
+            if (row["n"] == rec.prompt_tokens and row["a"] >= sent - MATCH_SLACK
+                    and row["f"] <= start + ttft + MATCH_SLACK):
                 del free[i]
-                start = clock_origin + rec.start
                 out[rec.index] = TTFTSplit(row["a"] - start, row["q"] - row["a"], row["f"] - row["q"],
-                                           start + ttft - row["f"])
+                                           max(0.0, start + ttft - row["f"]))
                 break
     return out
 
